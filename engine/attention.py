@@ -1,0 +1,148 @@
+"""Paged KV storage and the reference (plain MLX) paged attention used wherever no kernel exists.
+
+Layout per layer: `[num_blocks * block_size, num_kv_heads, head_dim]` (a free reshape of
+`[num_blocks, block_size, num_kv_heads, head_dim]`). The flat array is the one we hold so that
+slot writes update it in place (MLX donates a buffer whose only owner is the scatter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+# Requests computing more than this many tokens in a step get their own attention call, so one
+# long prefill chunk does not pad every decode row of the batch to its length.
+_PAD_GROUP_MAX_TOKENS = 16
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: mx.Dtype) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: mx.Dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        # slots: [T], k/v: [T, num_kv_heads, head_dim]
+        self.k[layer][slots] = k.astype(self.dtype)
+        self.v[layer][slots] = v.astype(self.dtype)
+
+    def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Requests attended in one padded call: queries [R, L], keys gathered from their blocks."""
+
+    q_index: mx.array  # [R, L] int32 rows of the flat token batch (padding repeats a valid row)
+    q_pos: mx.array  # [R, L] int32 absolute positions (padding: 0)
+    block_tables: mx.array  # [R, NB] int32 (padding: block 0, masked out)
+    num_rows: int
+    max_len: int
+    _masks: dict[int | None, mx.array] = field(default_factory=dict)
+
+    def mask(self, block_size: int, window: int | None) -> mx.array:
+        # [R, 1, L, NB * block_size] bool: causal (key <= query) and inside the sliding window.
+        m = self._masks.get(window)
+        if m is None:
+            kpos = mx.arange(self.block_tables.shape[1] * block_size, dtype=mx.int32)
+            qpos = self.q_pos[:, None, :, None]
+            m = kpos[None, None, None, :] <= qpos
+            if window is not None:
+                m = m & (kpos[None, None, None, :] > qpos - window)
+            self._masks[window] = m
+        return m
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, built once by the runner and shared by layers."""
+
+    positions: mx.array  # [T] int32
+    slot_mapping: mx.array  # [T] int32
+    groups: list[AttentionGroup]
+    out_index: mx.array  # [T] rows of the concatenated group outputs, back in batch order
+    num_tokens: int
+
+
+def build_metadata(
+    chunks: list[tuple[int, int, list[int]]], block_size: int
+) -> AttentionMetadata:
+    """chunks: per request (start_pos, num_tokens, block_table), in batch order."""
+    positions: list[int] = []
+    slots: list[int] = []
+    for start, n, table in chunks:
+        for p in range(start, start + n):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+
+    small = [i for i, (_, n, _) in enumerate(chunks) if n <= _PAD_GROUP_MAX_TOKENS]
+    large = [i for i, (_, n, _) in enumerate(chunks) if n > _PAD_GROUP_MAX_TOKENS]
+    offsets = [0]
+    for _, n, _ in chunks:
+        offsets.append(offsets[-1] + n)
+
+    groups: list[AttentionGroup] = []
+    out_index = [0] * len(positions)
+    base = 0
+    for members in ([small] if small else []) + [[i] for i in large]:
+        L = max(chunks[i][1] for i in members)
+        NB = max(-(-(chunks[i][0] + chunks[i][1]) // block_size) for i in members)
+        q_index, q_pos, tables = [], [], []
+        for r, i in enumerate(members):
+            start, n, table = chunks[i]
+            idx = list(range(offsets[i], offsets[i] + n))
+            pos = list(range(start, start + n))
+            for j in range(n):
+                out_index[offsets[i] + j] = base + r * L + j
+            q_index.append(idx + [idx[0]] * (L - n))
+            q_pos.append(pos + [0] * (L - n))
+            tables.append(list(table[:NB]) + [0] * (NB - min(NB, len(table))))
+        groups.append(AttentionGroup(
+            q_index=mx.array(q_index, dtype=mx.int32), q_pos=mx.array(q_pos, dtype=mx.int32),
+            block_tables=mx.array(tables, dtype=mx.int32), num_rows=len(members), max_len=L))
+        base += len(members) * L
+    return AttentionMetadata(
+        positions=mx.array(positions, dtype=mx.int32), slot_mapping=mx.array(slots, dtype=mx.int32),
+        groups=groups, out_index=mx.array(out_index, dtype=mx.int32), num_tokens=len(positions))
+
+
+def paged_attention_reference(
+    q: mx.array,  # [T, H, D]
+    k_blocks: mx.array,  # [num_blocks, block_size, Hkv, D]
+    v_blocks: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> mx.array:  # [T, H, D]
+    _, bs, hkv, d = k_blocks.shape
+    outs = []
+    for g in meta.groups:
+        R, L = g.num_rows, g.max_len
+        ctx = g.block_tables.shape[1] * bs
+        qg = q[g.q_index].transpose(0, 2, 1, 3)  # [R, H, L, D]
+        kg = k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)  # [R, Hkv, C, D]
+        vg = v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)
+        o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(bs, window))
+        outs.append(o.transpose(0, 2, 1, 3).reshape(R * L, q.shape[1], d))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out[meta.out_index]

@@ -1,0 +1,93 @@
+"""Pick an optimized BLAS for MLX's CPU backend before `mlx` is first imported.
+
+The `mlx-cpu` wheel on Linux links the reference BLAS (~7 GFLOP/s). libmlx resolves `cblas_sgemm`
+from the global symbol scope, so loading an optimized library with RTLD_GLOBAL *before* libmlx is
+loaded makes every float32 matmul use it. `SPECSERVE_BLAS` chooses: `auto` (default), `mkl`,
+`openblas`, `reference`, or a path to a shared library exporting plain `cblas_*` symbols.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from dataclasses import dataclass
+
+_DEBIAN_OPENBLAS = [
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+]
+
+
+@dataclass(slots=True)
+class BlasInfo:
+    name: str  # "mkl", "openblas", "reference", "accelerate", "custom"
+    path: str | None
+    reason: str
+
+
+_selected: BlasInfo | None = None
+
+
+def _find_mkl() -> str | None:
+    # The `mkl` wheel installs libmkl_rt into <prefix>/lib.
+    for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]):
+        hits = sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
+        if hits:
+            return hits[0]
+    return None
+
+
+def _find_openblas() -> str | None:
+    return next((p for p in _DEBIAN_OPENBLAS if os.path.exists(p)), None)
+
+
+def _load(path: str) -> bool:
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return False
+    return True
+
+
+def select_blas() -> BlasInfo:
+    """Load the chosen BLAS once; safe to call many times. Must run before `import mlx`."""
+    global _selected
+    if _selected is not None:
+        return _selected
+    choice = os.environ.get("SPECSERVE_BLAS", "auto").strip() or "auto"
+    if sys.platform == "darwin":
+        _selected = BlasInfo("accelerate", None, "macOS: MLX uses Accelerate / Metal")
+        return _selected
+    if "mlx.core" in sys.modules and choice != "reference":
+        _selected = BlasInfo("unknown", None, "mlx was imported before specserve could choose a BLAS")
+        return _selected
+    if choice == "reference":
+        _selected = BlasInfo("reference", None, "SPECSERVE_BLAS=reference")
+        return _selected
+    candidates: list[tuple[str, str | None]]
+    if choice == "auto":
+        candidates = [("mkl", _find_mkl()), ("openblas", _find_openblas())]
+    elif choice == "mkl":
+        candidates = [("mkl", _find_mkl())]
+    elif choice == "openblas":
+        candidates = [("openblas", _find_openblas())]
+    else:
+        candidates = [("custom", choice)]
+    for name, path in candidates:
+        if path and _load(path):
+            _selected = BlasInfo(name, path, f"SPECSERVE_BLAS={choice}")
+            return _selected
+    if choice not in ("auto",):
+        raise RuntimeError(f"SPECSERVE_BLAS={choice!r}: library not found or not loadable")
+    _selected = BlasInfo("reference", None, "no optimized BLAS found (pip install mkl, or apt install "
+                         "libopenblas0-pthread); float32 matmuls will be slow")
+    return _selected
+
+
+def blas_info() -> BlasInfo:
+    return select_blas()

