@@ -177,14 +177,15 @@ class IncrementalDetokenizer:
     def _decode_new(self, force: bool) -> str:
         """Newly decoded, stable text since the last call; slides the window when it can."""
         full = self._decode(self._ids[self._prefix_offset :])
+        # trailing U+FFFD may be an incomplete character that the next token completes: hold it back
         incomplete = 0 if force else _trailing_replacements(full)
+        end = len(full) - incomplete
         boundary = None
         if incomplete and len(self._ids) - self._read_offset > _MAX_PENDING:
-            boundary = self._find_boundary()
-            if boundary is None:
-                incomplete = 0  # invalid UTF-8 rather than an incomplete character: accept it
-        start = self._prefix_len + (self._decoded - self._read_pos)
-        end = len(full) - incomplete
+            boundary = self._find_boundary(full)
+            if boundary is not None:
+                end = max(end, boundary[1])  # text before a clean boundary is final
+        start = self._prefix_len + self._decoded - self._read_pos
         new = full[start:end] if end > start else ""
         self._decoded += len(new)
         if not incomplete:
@@ -193,12 +194,15 @@ class IncrementalDetokenizer:
             self._slide(*boundary)
         return new
 
-    def _find_boundary(self) -> tuple[int, int] | None:
-        """Text keeps ending mid-character: find the latest pending token that ends on a character
-        boundary, as (index, len(decode(ids[prefix_offset:index]))). Rare, so a few decodes are fine."""
-        for j in range(len(self._ids) - 1, self._read_offset, -1):
-            head = self._decode(self._ids[self._prefix_offset : j])
-            if not head.endswith(_REPLACEMENT):
+    def _find_boundary(self, full: str) -> tuple[int, int] | None:
+        """Text keeps ending in U+FFFD (a run of split characters, or invalid UTF-8): find the latest
+        recent token boundary no character straddles, as (index, len(decode(ids[prefix_offset:index]))).
+        Nothing straddles j if the text before it ends cleanly, or if decoding both sides separately
+        gives the same text (a straddling sequence would turn into extra U+FFFDs)."""
+        ids = self._ids
+        for j in range(len(ids) - 1, max(self._read_offset, len(ids) - 1 - _MAX_PENDING), -1):
+            head = self._decode(ids[self._prefix_offset : j])
+            if not head.endswith(_REPLACEMENT) or head + self._decode(ids[j:]) == full:
                 return j, len(head)
         return None
 
