@@ -27,6 +27,7 @@ import numpy as np
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1000
+_TOP_CANDIDATES = 1024  # top-k/top-p look at this many best logits first
 _MASK64 = (1 << 64) - 1
 
 
@@ -189,54 +190,103 @@ def seeded_key(seed: int, step: int) -> mx.array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _row_update(row: RowState, vocab: int) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """Dense per-row arrays: (banned mask, repetition mask, output counts); None when unused."""
-    p = row.params
-    banned = None
-    if len(row.output_token_ids) < p.min_tokens:
-        ids = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-        if ids:
-            banned = np.zeros(vocab, dtype=bool)
-            banned[ids] = True
-    rep = None
-    if p.repetition_penalty != 1.0:
-        rep = np.zeros(vocab, dtype=bool)
-        seen = np.asarray([*row.prompt_token_ids, *row.output_token_ids], dtype=np.int64)
-        rep[seen[(seen >= 0) & (seen < vocab)]] = True
-    counts = None
-    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
-        out = np.asarray(row.output_token_ids, dtype=np.int64)
-        counts = np.bincount(out[(out >= 0) & (out < vocab)], minlength=vocab).astype(np.float32)
-    return banned, rep, counts
-
-
 def process_logits(logits: mx.array, rows: list[RowState]) -> mx.array:
-    """min_tokens masking + penalties (the argmax-changing steps). Returns a new [num_rows, vocab] array."""
-    x = logits.astype(mx.float32)  # new array object: in-place row writes below never touch `logits`
+    """min_tokens masking + penalties (the argmax-changing steps). Returns a new [num_rows, vocab] array.
+
+    Only rows that need it are touched: their dense masks / counts are built in NumPy (O(vocab) per
+    row, like vLLM's bin counts) and applied in one vectorised pass.
+    """
+    x = logits.astype(mx.float32)  # a new array object: the row write below never touches `logits`
     vocab = x.shape[1]
-    for i, row in enumerate(rows):
-        banned, rep, counts = _row_update(row, vocab)
-        if banned is None and rep is None and counts is None:
-            continue
-        p = row.params
-        r = x[i]  # [vocab]
-        if banned is not None:
-            r = mx.where(mx.array(banned), -mx.inf, r)
-        if rep is not None:
-            rp = p.repetition_penalty
-            r = mx.where(mx.array(rep), mx.where(r > 0, r / rp, r * rp), r)
-        if counts is not None:
-            c = mx.array(counts)  # [vocab]
-            r = r - p.frequency_penalty * c
-            r = r - p.presence_penalty * (c > 0).astype(mx.float32)
-        x[i] = r
+    touched = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.has_penalties or len(r.output_token_ids) < r.params.min_tokens
+    ]
+    if not touched:
+        return x
+    n = len(touched)
+    banned = np.zeros((n, vocab), dtype=bool)
+    seen = np.zeros((n, vocab), dtype=bool)  # prompt + output tokens, for repetition_penalty
+    counts = np.zeros((n, vocab), dtype=np.float32)  # output token counts
+    rep = np.ones((n, 1), np.float32)  # per-row penalty values, broadcast over the vocab
+    freq = np.zeros((n, 1), np.float32)
+    pres = np.zeros((n, 1), np.float32)
+    for j, i in enumerate(touched):
+        row, p = rows[i], rows[i].params
+        if len(row.output_token_ids) < p.min_tokens:
+            ids = np.asarray([*row.eos_token_ids, *p.stop_token_ids], dtype=np.int64)
+            banned[j, ids[(ids >= 0) & (ids < vocab)]] = True
+        out = np.asarray(row.output_token_ids, dtype=np.int64)
+        out = out[(out >= 0) & (out < vocab)]
+        if p.repetition_penalty != 1.0:
+            prompt = np.asarray(row.prompt_token_ids, dtype=np.int64)
+            seen[j, prompt[(prompt >= 0) & (prompt < vocab)]] = True
+            seen[j, out] = True
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            counts[j] = np.bincount(out, minlength=vocab)
+        rep[j], freq[j], pres[j] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    idx = mx.array(touched)
+    sub = x[idx]  # [n, vocab]
+    sub = mx.where(mx.array(banned), -mx.inf, sub)
+    r = mx.array(rep)  # [n, 1]
+    sub = mx.where(mx.array(seen), mx.where(sub > 0, sub / r, sub * r), sub)
+    c = mx.array(counts)  # [n, vocab]
+    sub = sub - mx.array(freq) * c
+    sub = sub - mx.array(pres) * (c > 0).astype(mx.float32)
+    x[idx] = sub
     return x
 
 
-def _filter_and_draw(x: mx.array, rows: list[RowState]) -> mx.array:
-    """Sample one token per row of x ([n, vocab] processed logits, all rows non-greedy) -> [n] ids."""
+def _top_k_top_p_thresholds(x: mx.array, params: list[SamplingParams]) -> mx.array:
+    """Smallest kept logit per row of x ([m, vocab], temperature-scaled) under top_k then top_p.
+
+    Looks at the best _TOP_CANDIDATES logits only (a full-vocab sort is slow); rows whose nucleus is
+    not closed within them (flat distributions, top_k above the cap) are redone over the whole vocab.
+    Tokens tied with the threshold are kept, like vLLM's top-k.
+    """
+    m, vocab = x.shape
+    top_k = np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params])  # 0: no top-k
+    top_p = np.array([p.top_p if p.top_p < 1.0 else math.inf for p in params], dtype=np.float32)
+    c = min(vocab, _TOP_CANDIDATES)
+    thr, closed = _thresholds_within(x, top_k, top_p, c)
+    if c < vocab:
+        redo = np.flatnonzero(~closed | (top_k > c))
+        if redo.size:
+            full_thr, _ = _thresholds_within(x[mx.array(redo)], top_k[redo], top_p[redo], vocab)
+            thr[mx.array(redo)] = full_thr
+    return thr
+
+
+def _thresholds_within(
+    x: mx.array, top_k: np.ndarray, top_p: np.ndarray, c: int
+) -> tuple[mx.array, np.ndarray]:
+    """(threshold [m], closed [m]) using the c largest logits of each row; closed: exact answer."""
+    m, vocab = x.shape
+    cand = mx.topk(x, c, axis=-1) if c < vocab else x  # [m, c], unordered
+    cand = mx.sort(cand, axis=-1)[:, ::-1]  # [m, c], descending
+    rank = mx.arange(c)[None, :]  # [1, c]
+    k = mx.array(np.where(top_k > 0, np.minimum(top_k, c), c))[:, None]  # [m, 1]
+    in_k = rank < k  # [m, c]
+    # top_p applies to the top-k survivors renormalised, or to the whole vocab without top-k
+    log_z = mx.logsumexp(mx.where(in_k, cand, -mx.inf), axis=-1)  # [m]
+    if c < vocab and (top_k == 0).any():
+        log_z = mx.where(mx.array(top_k > 0), log_z, mx.logsumexp(x, axis=-1))
+    probs = mx.where(in_k, mx.exp(cand - log_z[:, None]), 0.0)  # [m, c]
+    mass_before = mx.cumsum(probs, axis=-1) - probs  # [m, c]
+    keep = in_k & (mass_before < mx.array(top_p)[:, None])  # rank 0 always kept: 0 < top_p
+    count = keep.astype(mx.int32).sum(axis=-1)  # [m], >= 1
+    thr = mx.take_along_axis(cand, (count - 1)[:, None], axis=-1)[:, 0]  # [m]
+    closed = np.array(count < c) | (top_k > 0)  # all c kept without top-k: the nucleus may go on
+    return thr, closed
+
+
+def filter_logits(x: mx.array, params: list[SamplingParams]) -> mx.array:
+    """Temperature, min_p, top_k, top_p (vLLM's order) for non-greedy rows.
+
+    x: [n, vocab] processed logits -> [n, vocab] scaled logits with -inf for every dropped token.
+    """
     n, vocab = x.shape
-    params = [r.params for r in rows]
     temp = mx.array([p.temperature for p in params], dtype=mx.float32)[:, None]  # [n, 1]
     x = x / temp
     neg_inf = mx.array(-mx.inf, dtype=mx.float32)
@@ -247,33 +297,37 @@ def _filter_and_draw(x: mx.array, rows: list[RowState]) -> mx.array:
             log_min_p = mx.array(np.log(np.array([p.min_p for p in params], dtype=np.float32)))[:, None]
         x = mx.where(x - x.max(axis=-1, keepdims=True) < log_min_p, neg_inf, x)  # [n, vocab]
 
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        order = mx.argsort(-x, axis=-1)  # [n, vocab], descending logits
-        xs = mx.take_along_axis(x, order, axis=-1)  # [n, vocab]
-        rank = mx.arange(vocab)[None, :]  # [1, vocab]
-        k = mx.array([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]  # [n, 1]
-        keep = rank < k  # [n, vocab]
-        xs = mx.where(keep, xs, neg_inf)
-        probs = mx.softmax(xs, axis=-1)  # [n, vocab], renormalised over the top-k survivors
-        mass_before = mx.cumsum(probs, axis=-1) - probs  # [n, vocab]
-        # top_p == 1 disables the filter (float cumsum could otherwise drop tail tokens)
-        top_p = mx.array([p.top_p if p.top_p < 1.0 else math.inf for p in params], dtype=mx.float32)
-        keep = keep & (mass_before < top_p[:, None])  # rank 0 always kept: 0 < top_p
-        keep_mask = mx.put_along_axis(mx.zeros((n, vocab), dtype=mx.bool_), order, keep, axis=-1)
-        x = mx.where(keep_mask, x, neg_inf)
+    restricted = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if restricted:
+        idx = mx.array(restricted)
+        thresholds = mx.full((n,), -mx.inf, dtype=mx.float32)  # [n]
+        thresholds[idx] = _top_k_top_p_thresholds(x[idx], [params[j] for j in restricted])
+        x = mx.where(x >= thresholds[:, None], x, neg_inf)  # [n, vocab]
+    return x
 
+
+def _draw(x: mx.array, rows: list[RowState]) -> mx.array:
+    """One token per row of x ([n, vocab] filtered logits) -> [n] ids."""
+    n, vocab = x.shape
+    params = [r.params for r in rows]
     # Gumbel-max: argmax(x + g) ~ softmax(x). Seeded rows get their own noise row.
     unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    noise_rows: list[mx.array | None] = [None] * n
+    g = None
     if unseeded:
         g = mx.random.gumbel(shape=(len(unseeded), vocab), key=_next_global_key())  # [u, vocab]
-        for j, i in enumerate(unseeded):
-            noise_rows[i] = g[j]
-    for i, row in enumerate(rows):
-        if row.params.seed is not None:
-            key = seeded_key(row.params.seed, len(row.output_token_ids))
-            noise_rows[i] = mx.random.gumbel(shape=(vocab,), key=key)  # [vocab]
-    noise = mx.stack(noise_rows)  # [n, vocab]
+    if len(unseeded) == n:
+        noise = g
+    else:
+        noise_rows: list[mx.array] = []
+        j = 0
+        for row in rows:
+            if row.params.seed is None:
+                noise_rows.append(g[j])
+                j += 1
+            else:
+                key = seeded_key(row.params.seed, len(row.output_token_ids))
+                noise_rows.append(mx.random.gumbel(shape=(vocab,), key=key))  # [vocab]
+        noise = mx.stack(noise_rows)  # [n, vocab]
     return mx.argmax(x + noise, axis=-1)  # [n]
 
 
@@ -315,7 +369,9 @@ def sample(logits: mx.array, rows: list[RowState]) -> SampleResult:
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         idx = mx.array(random_rows)
-        drawn = _filter_and_draw(x[idx], [rows[i] for i in random_rows])  # [n_random]
+        random_state = [rows[i] for i in random_rows]
+        filtered = filter_logits(x[idx], [r.params for r in random_state])  # [n_random, vocab]
+        drawn = _draw(filtered, random_state)  # [n_random]
         tokens[idx] = drawn.astype(tokens.dtype)
     token_list: list[int] = tokens.tolist()
     return SampleResult(token_ids=token_list, logprobs=_logprobs(logits, rows, token_list))

@@ -292,6 +292,7 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids(ignore_eos):
 def test_logprobs_match_numpy_log_softmax_of_raw_logits():
     rng = np.random.default_rng(6)
     x = _logits(rng, 4)
+    x[3, 7] = 20.0  # dominant token that the penalty below would halve: raw logprobs must ignore it
     rows = [
         _row(SamplingParams(temperature=0.0, logprobs=5)),
         _row(SamplingParams(temperature=0.8, seed=3, logprobs=0)),
