@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -69,12 +69,21 @@ class EngineConfig(BaseModel):
     chat_template: str | None = None  # template text, overriding the model's
     trust_remote_code: bool = False
     show_progress: bool = True
+    # A parsed speculative config (engine.spec.config), or JSON text / a mapping to parse.
+    speculative_config: Any = None
 
     @field_validator("kv_cache_memory")
     @classmethod
     def _check_memory(cls, v: str | float | int) -> str | float | int:
         parse_memory(v)
         return v
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _parse_spec(cls, v: Any) -> Any:
+        from engine.spec.config import parse_speculative_config
+
+        return v if v is None or hasattr(v, "method") else parse_speculative_config(v)
 
     @field_validator("block_size")
     @classmethod

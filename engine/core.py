@@ -19,8 +19,10 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, set_global_seed
-from engine.scheduler import Scheduler
-from engine.stats import FinishedRequestStats, IterationStats
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec.factory import build_proposer, load_draft
+from engine.spec.proposer import DraftRequest, Proposer
+from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,13 @@ class EngineCore:
         bs = config.block_size
         n_kv, head_dim = adapter.kv_shape(model)
         per_block = PagedKVCache.bytes_per_block(len(model.layers), bs, n_kv, head_dim, self.loaded.dtype)
+        self.spec = config.speculative_config
+        draft = load_draft(self.spec, self.loaded, config.dtype, config.show_progress) if self.spec else None
+        if draft is not None:
+            from engine.spec.draft_model import DraftModelProposer
+
+            # The draft's KV is budgeted too: each target block has a draft block beside it.
+            per_block += DraftModelProposer.bytes_per_block(draft, bs)
         budget = config.kv_cache_bytes()
         num_blocks = budget // per_block
         need = -(-self.max_model_len // bs)
@@ -54,6 +63,18 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache)
+        self.proposer: Proposer | None = None
+        self.spec_max_len = self.max_model_len
+        if self.spec is not None:
+            self.proposer = build_proposer(self.spec, draft, num_blocks, bs)
+            if draft is not None:
+                draft_max = draft.max_position_embeddings or self.max_model_len
+                self.spec_max_len = min(self.max_model_len, draft_max)
+            if self.spec.max_model_len:
+                self.spec_max_len = min(self.spec_max_len, self.spec.max_model_len)
+            logger.info("speculative decoding: %s, num_speculative_tokens=%d%s", self.spec.method,
+                        self.spec.num_speculative_tokens,
+                        f", draft {draft.name} ({draft.path})" if draft is not None else "")
         self._detok: dict[str, IncrementalDetokenizer] = {}
         set_global_seed(config.seed)
 
@@ -96,6 +117,7 @@ class EngineCore:
         if req is None:
             return None
         self._detok.pop(request_id, None)
+        self._release(req)
         return self._output(req, [], "", None)
 
     def has_unfinished(self) -> bool:
@@ -117,6 +139,7 @@ class EngineCore:
                 if req is not None:
                     req.error = f"{type(e).__name__}: {e}"
                     self._detok.pop(sr.request_id, None)
+                    self._release(req)
                     outs.append(self._output(req, [], "", None))
             return outs, None
         num_prompt_tokens = sum(len(sr.token_ids) for sr in so.scheduled if sr.num_logits == 0) + sum(
@@ -132,6 +155,11 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage(), num_preempted=len(so.preempted_ids),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
+        if self.spec is not None:
+            stats.spec = self._spec_stats(so, res.num_accepted_drafts)
+            for rid in so.preempted_ids:
+                if self.proposer is not None:
+                    self.proposer.release(rid, finished=False)
         outputs: list[RequestOutput] = []
         for req, new_tokens in updates:
             stats.num_generation_tokens += len(new_tokens)
@@ -151,11 +179,65 @@ class EngineCore:
                 if detok is not None and not isinstance(req.stop_reason, str):
                     text += detok.flush()  # release text held back for a stop string that never came
                 self._detok.pop(req.request_id, None)
+                self._release(req)
                 stats.finished.append(self._finished_stats(req))
             outputs.append(self._output(req, new_tokens, text, lp_by_id.get(req.request_id)))
         stats.num_running = len(self.scheduler.running)
         stats.kv_cache_usage = self.kv.usage()
+        if self.proposer is not None:
+            self._propose()
         return outputs, stats
+
+    # -- speculative decoding ------------------------------------------------------------------
+    def _spec_stats(self, so: SchedulerOutput, accepted: list[int]) -> SpecDecodingStats:
+        st = SpecDecodingStats()
+        for sr, n_acc in zip(so.scheduled, accepted, strict=True):
+            if not sr.spec_token_ids:
+                continue
+            st.observe(len(sr.spec_token_ids), n_acc)
+            req = self.scheduler.requests.get(sr.request_id)
+            if req is not None:
+                req.spec_num_drafts += 1
+                req.spec_num_draft_tokens += len(sr.spec_token_ids)
+                req.spec_num_accepted_tokens += n_acc
+        return st
+
+    def _propose(self) -> None:
+        """Ask the proposer for drafts of greedy requests in decode; drafts are verified next step."""
+        assert self.spec is not None and self.proposer is not None
+        k_batch = self.spec.tokens_for_batch(len(self.scheduler.running))
+        if k_batch == 0:
+            return
+        reqs: list[DraftRequest] = []
+        targets: list[Request] = []
+        for req in self.scheduler.running:
+            if req.spec_disabled or not req.params.spec_decode_ok:
+                continue
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue  # still prefilling
+            k = min(k_batch, req.max_tokens - req.num_output_tokens - 1,
+                    self.spec_max_len - req.num_tokens)
+            if k < 1:
+                continue
+            reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k))
+            targets.append(req)
+        if not reqs:
+            return
+        try:
+            drafts = self.proposer.propose(reqs)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: fall back to plain decoding
+            logger.exception("proposer failed; speculation disabled for %d requests", len(targets))
+            for req in targets:
+                req.spec_disabled = True
+                self.proposer.release(req.request_id, finished=False)
+            return
+        for req, r, d in zip(targets, reqs, drafts, strict=True):
+            req.spec_token_ids = list(d[: r.num_drafts])
+
+    def _release(self, req: Request) -> None:
+        if self.proposer is not None:
+            normal = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            self.proposer.release(req.request_id, finished=normal)
 
     def _output(self, req: Request, new_tokens: list[int], text: str, logprobs: list | None) -> RequestOutput:
         finished = req.status.finished
@@ -164,7 +246,9 @@ class EngineCore:
             new_logprobs=logprobs if new_tokens else None, finished=finished,
             finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_prompt_tokens, error=req.error)
+            num_cached_tokens=req.num_cached_prompt_tokens, error=req.error,
+            spec_num_drafts=req.spec_num_drafts, spec_num_draft_tokens=req.spec_num_draft_tokens,
+            spec_num_accepted_tokens=req.spec_num_accepted_tokens)
 
     @staticmethod
     def _finished_stats(req: Request) -> FinishedRequestStats:

@@ -26,6 +26,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class LLM:
@@ -74,6 +77,9 @@ class LLM:
                 if out.finished:
                     r.finish_reason, r.stop_reason, r.error = out.finish_reason, out.stop_reason, out.error
                     r.num_cached_tokens = out.num_cached_tokens
+                    r.spec_num_drafts = out.spec_num_drafts
+                    r.spec_num_draft_tokens = out.spec_num_draft_tokens
+                    r.spec_num_accepted_tokens = out.spec_num_accepted_tokens
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]

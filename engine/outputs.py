@@ -20,3 +20,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    # Speculative decoding so far for this request (cumulative).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

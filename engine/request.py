@@ -50,6 +50,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first schedule
     num_preemptions: int = 0
+    spec_disabled: bool = False  # set when its proposer failed: decode plainly from then on
+    spec_num_drafts: int = 0  # steps that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
     times: RequestTimes = field(default_factory=RequestTimes)

@@ -20,26 +20,34 @@ class ModelRunner:
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
 
-    def forward(self, so: SchedulerOutput) -> tuple[mx.array, list[int]]:
-        """Run the flat batch; return final hidden states of the rows that need logits
-        ([N, hidden]) and, per scheduled request, how many of those rows it owns."""
-        chunks = [(sr.start_pos, len(sr.token_ids), sr.block_table) for sr in so.scheduled]
-        meta = build_metadata(chunks, self.kv.block_size)
+    def forward_chunks(self, chunks: list[tuple[list[int], int, list[int], int]]) -> mx.array:
+        """chunks: per request (token_ids, start_pos, block_table, num_logits), in batch order.
+        Runs the flat batch and returns the final hidden states of the logit rows [N, hidden]."""
+        meta = build_metadata([(start, len(toks), table) for toks, start, table, _ in chunks],
+                              self.kv.block_size)
         for c in self.caches:
             c.meta = meta
         tokens: list[int] = []
         rows: list[int] = []
-        for sr in so.scheduled:
-            off = len(tokens)
-            tokens.extend(sr.token_ids)
-            rows.extend(range(off + len(sr.token_ids) - sr.num_logits, off + len(sr.token_ids)))
-        h = adapter.hidden_states(self.model, mx.array(tokens, dtype=mx.int32), self.caches)  # [T, hidden]
-        for c in self.caches:
-            c.meta = None
-        return h[mx.array(rows, dtype=mx.int32)], [sr.num_logits for sr in so.scheduled]
+        for toks, _, _, num_logits in chunks:
+            tokens.extend(toks)
+            rows.extend(range(len(tokens) - num_logits, len(tokens)))
+        try:
+            ids = mx.array(tokens, dtype=mx.int32)
+            h = adapter.hidden_states(self.model, ids, self.caches)  # [T, hidden]
+        finally:
+            for c in self.caches:
+                c.meta = None
+        return h[mx.array(rows, dtype=mx.int32)]
+
+    def greedy_tokens(self, h: mx.array) -> list[int]:
+        """h: [N, hidden] -> argmax token per row."""
+        return mx.argmax(adapter.compute_logits(self.model, h), axis=-1).tolist()
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        h, counts = self.forward(so)
+        h = self.forward_chunks([(sr.token_ids, sr.start_pos, sr.block_table, sr.num_logits)
+                                 for sr in so.scheduled])
+        counts = [sr.num_logits for sr in so.scheduled]
         logits = adapter.compute_logits(self.model, h).astype(mx.float32)  # [N, vocab]
 
         out = RunnerOutput()

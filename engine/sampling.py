@@ -190,51 +190,54 @@ def seeded_key(seed: int, step: int) -> mx.array:
 # ---------------------------------------------------------------------------------------------
 
 
+def _unique_ids(ids: list[int], vocab: int) -> np.ndarray:
+    """Sorted distinct in-vocab ids (a bool table beats np.unique on long prompts)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    seen = np.zeros(vocab, dtype=bool)
+    seen[arr[(arr >= 0) & (arr < vocab)]] = True
+    return np.flatnonzero(seen)
+
+
 def process_logits(logits: mx.array, rows: list[RowState]) -> mx.array:
     """min_tokens masking + penalties (the argmax-changing steps). Returns a new [num_rows, vocab] array.
 
-    Only rows that need it are touched: their dense masks / counts are built in NumPy (O(vocab) per
-    row, like vLLM's bin counts) and applied in one vectorised pass.
+    Sparse: only the (row, token) entries concerned are gathered, updated and scattered back, so the
+    cost follows the number of distinct prompt/output tokens, not the vocabulary.
     """
-    x = logits.astype(mx.float32)  # a new array object: the row write below never touches `logits`
+    x = logits.astype(mx.float32)  # a new array object: the writes below never touch `logits`
     vocab = x.shape[1]
-    touched = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.has_penalties or len(r.output_token_ids) < r.params.min_tokens
-    ]
-    if not touched:
-        return x
-    n = len(touched)
-    banned = np.zeros((n, vocab), dtype=bool)
-    seen = np.zeros((n, vocab), dtype=bool)  # prompt + output tokens, for repetition_penalty
-    counts = np.zeros((n, vocab), dtype=np.float32)  # output token counts
-    rep = np.ones((n, 1), np.float32)  # per-row penalty values, broadcast over the vocab
-    freq = np.zeros((n, 1), np.float32)
-    pres = np.zeros((n, 1), np.float32)
-    for j, i in enumerate(touched):
-        row, p = rows[i], rows[i].params
+    # per update kind, one tuple of equal-length arrays per row: (row index, token id, values...)
+    ban: list[tuple[np.ndarray, ...]] = []
+    rep: list[tuple[np.ndarray, ...]] = []
+    cnt: list[tuple[np.ndarray, ...]] = []
+    for i, row in enumerate(rows):
+        p = row.params
         if len(row.output_token_ids) < p.min_tokens:
-            ids = np.asarray([*row.eos_token_ids, *p.stop_token_ids], dtype=np.int64)
-            banned[j, ids[(ids >= 0) & (ids < vocab)]] = True
-        out = np.asarray(row.output_token_ids, dtype=np.int64)
-        out = out[(out >= 0) & (out < vocab)]
+            ids = _unique_ids([*row.eos_token_ids, *p.stop_token_ids], vocab)
+            ban.append((np.full(ids.size, i), ids))
         if p.repetition_penalty != 1.0:
-            prompt = np.asarray(row.prompt_token_ids, dtype=np.int64)
-            seen[j, prompt[(prompt >= 0) & (prompt < vocab)]] = True
-            seen[j, out] = True
-        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            counts[j] = np.bincount(out, minlength=vocab)
-        rep[j], freq[j], pres[j] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-    idx = mx.array(touched)
-    sub = x[idx]  # [n, vocab]
-    sub = mx.where(mx.array(banned), -mx.inf, sub)
-    r = mx.array(rep)  # [n, 1]
-    sub = mx.where(mx.array(seen), mx.where(sub > 0, sub / r, sub * r), sub)
-    c = mx.array(counts)  # [n, vocab]
-    sub = sub - mx.array(freq) * c
-    sub = sub - mx.array(pres) * (c > 0).astype(mx.float32)
-    x[idx] = sub
+            ids = _unique_ids([*row.prompt_token_ids, *row.output_token_ids], vocab)
+            pen = np.full(ids.size, p.repetition_penalty, dtype=np.float32)
+            rep.append((np.full(ids.size, i), ids, pen))
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
+            out = np.asarray(row.output_token_ids, dtype=np.int64)
+            ids, counts = np.unique(out[(out >= 0) & (out < vocab)], return_counts=True)
+            freq = np.float32(p.frequency_penalty) * counts.astype(np.float32)
+            pres = np.full(ids.size, p.presence_penalty, dtype=np.float32)
+            cnt.append((np.full(ids.size, i), ids, freq, pres))
+
+    def column(parts: list[tuple[np.ndarray, ...]], k: int) -> mx.array:
+        return mx.array(np.concatenate([part[k] for part in parts]))  # [entries]
+
+    if ban:
+        x[column(ban, 0), column(ban, 1)] = -mx.inf
+    if rep:
+        r, t, pen = column(rep, 0), column(rep, 1), column(rep, 2)
+        v = x[r, t]
+        x[r, t] = mx.where(v > 0, v / pen, v * pen)
+    if cnt:
+        r, t = column(cnt, 0), column(cnt, 1)
+        x[r, t] = x[r, t] - column(cnt, 2) - column(cnt, 3)  # as vLLM: -= freq * count, then -= presence
     return x
 
 

@@ -147,6 +147,39 @@ def test_skip_special_tokens(tokenizer, skip):
     assert ("<|im_end|>" in text) is not skip
 
 
+def test_special_token_text_as_stop_string(tokenizer):
+    ids = [*tokenizer.encode("Answer: 42"), 2, *tokenizer.encode("trailing")]
+    out, stop = _check_stops(tokenizer, ids, ["<|im_end|>"], include=False)
+    assert (out, stop) == ("Answer: 42trailing", None)  # skipped special tokens have no text
+    pieces, stop, _ = _stream(tokenizer, ids, SamplingParams(stop=["<|im_end|>"], skip_special_tokens=False))
+    assert ("".join(pieces), stop) == ("Answer: 42", "<|im_end|>")
+
+
+class _CountingTokenizer:
+    """Records the length of every window passed to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.windows: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.windows.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_windows_stay_small(tokenizer):
+    ids = tokenizer.encode(TEXT * 4)
+    counting = _CountingTokenizer(tokenizer)
+    pieces, _, _ = _stream(counting, ids, SamplingParams(stop=["not there"]))
+    counting.windows.clear()
+    detok = IncrementalDetokenizer(counting, [], SamplingParams())
+    for i in ids:
+        detok.add([i])
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert max(counting.windows) <= 8  # never re-decodes the whole output
+    assert sum(counting.windows) <= 6 * len(ids)
+
+
 # ---------------------------------------------------------------------------------------------
 # Stop strings
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +200,7 @@ def _reference_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
 def _check_stops(tokenizer, ids, stops, include=False, max_chunk=1, seed=0):
     params = SamplingParams(stop=stops, include_stop_str_in_output=include)
     pieces, stop, detok = _stream(tokenizer, ids, params, random.Random(seed), max_chunk)
-    full = tokenizer.decode(ids)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
     ref = _reference_stop(full, stops)
     text = "".join(pieces)
     if ref is None:

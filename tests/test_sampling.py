@@ -8,6 +8,7 @@ from engine.sampling import (
     MAX_STOP_TOKEN_IDS,
     RowState,
     SamplingParams,
+    filter_logits,
     process_logits,
     sample,
     set_global_seed,
@@ -217,6 +218,46 @@ def test_filters_keep_exactly_the_allowed_tokens(params, allowed):
     set_global_seed(12)
     drawn = set(_draw_many([0.05, 0.05, 0.2, 0.3, 0.4], params).tolist())
     assert drawn == allowed
+
+
+def _reference_kept(x: np.ndarray, p: SamplingParams) -> set[int]:
+    """NumPy (float64) reference: tokens that survive temperature, min_p, top_k, top_p."""
+    x = x.astype(np.float64) / p.temperature
+    if p.min_p > 0:
+        x = np.where(x - x.max() < np.log(p.min_p), -np.inf, x)
+    order = np.argsort(-x, kind="stable")
+    k = p.top_k if 0 < p.top_k < x.size else x.size
+    top = x[order[:k]]
+    keep = np.isfinite(top)
+    if p.top_p < 1.0:
+        probs = np.exp(top - top.max())
+        probs /= probs.sum()
+        keep &= np.cumsum(probs) - probs < p.top_p
+    return set(order[:k][keep].tolist())
+
+
+@pytest.mark.parametrize(
+    ("scale", "params"),
+    [
+        (4.0, SamplingParams(temperature=0.7, top_k=40)),
+        (4.0, SamplingParams(temperature=1.3, top_k=3000)),  # above the candidate cap
+        (4.0, SamplingParams(temperature=1.0, top_p=0.9)),  # peaked: nucleus inside the candidates
+        (0.5, SamplingParams(temperature=1.0, top_p=0.9)),  # flat: nucleus of thousands of tokens
+        (0.5, SamplingParams(temperature=0.8, top_k=2000, top_p=0.5)),
+        (4.0, SamplingParams(temperature=1.0, top_k=100, top_p=0.95, min_p=0.01)),
+        (2.0, SamplingParams(temperature=2.0, min_p=0.2)),
+        (2.0, SamplingParams(temperature=1.0)),
+    ],
+)
+def test_filters_match_numpy_reference_on_large_vocab(scale, params):
+    x = _logits(np.random.default_rng(13), 3, vocab=5000, scale=scale)
+    x[1, :10] = -np.inf  # e.g. banned by min_tokens
+    filtered = np.array(filter_logits(mx.array(x), [params] * 3))
+    for i in range(3):
+        kept = set(np.flatnonzero(np.isfinite(filtered[i])).tolist())
+        assert kept == _reference_kept(x[i], params)
+    if scale == 0.5 and params.top_k == 0:
+        assert len(kept) > 1024  # the exact fallback path was taken
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,7 +98,8 @@ def cast_model(model: nn.Module, dtype: mx.Dtype) -> None:
     """Dequantize on CPU/float32 (quantized matmul has no fast CPU path) and cast float params."""
     from mlx_lm.utils import dequantize_model
 
-    has_quant = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    quant_types = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    has_quant = any(isinstance(m, quant_types) for _, m in model.named_modules())
     if has_quant and dtype == mx.float32:
         dequantize_model(model)
     model.set_dtype(dtype)

@@ -1,0 +1,1 @@
+"""Speculative decoding: config, proposers (ngram, suffix, draft_model, mtp) and verification."""

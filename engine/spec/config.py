@@ -1,0 +1,193 @@
+"""`--speculative-config`: one pydantic model per method, vLLM's keys, failures that name the key.
+
+Parsing happens at start-up; every invalid configuration raises `SpeculativeConfigError` with the
+offending key in the message. There is no silent fallback to plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+Method = Literal["ngram", "suffix", "draft_model", "mtp"]
+
+# Keys users bring over from other places that do not belong here: a message each, not "extra key".
+_MISPLACED = {
+    "tensor_parallel_size": "tensor_parallel_size is not allowed inside --speculative-config; the draft "
+                            "runs with draft_tensor_parallel_size (only 1 is supported)",
+    "temperature": "temperature is a per-request sampling parameter, not part of --speculative-config "
+                   "(greedy requests are verified exactly; other requests skip drafting)",
+    "top_p": "top_p is a per-request sampling parameter, not part of --speculative-config "
+             "(greedy requests are verified exactly; other requests skip drafting)",
+    "top_k": "top_k is a per-request sampling parameter, not part of --speculative-config",
+}
+
+
+class SpeculativeConfigError(ValueError):
+    pass
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    num_speculative_tokens: int = Field(ge=1, le=64)
+    # Turn speculation off when more than this many requests are running (vLLM's
+    # speculative_disable_by_batch_size).
+    disable_by_batch_size: int | None = Field(None, ge=1)
+    # [[max_batch_size, k], ...] ascending: a batch of b running requests drafts the k of the first
+    # entry with b <= max_batch_size, and none above the last entry.
+    num_speculative_tokens_per_batch_size: list[list[int]] | None = None
+    draft_tensor_parallel_size: Literal[1] | None = None
+    max_model_len: int | None = Field(None, ge=16)
+    revision: str | None = None
+    quantization: str | None = None
+
+    @model_validator(mode="after")
+    def _check_table(self) -> _Base:
+        table = self.num_speculative_tokens_per_batch_size
+        if table:
+            if any(len(pair) != 2 for pair in table):
+                raise ValueError("num_speculative_tokens_per_batch_size: entries are "
+                                 "[max_batch_size, k] pairs")
+            sizes = [b for b, _ in table]
+            if sizes != sorted(sizes) or len(set(sizes)) != len(sizes) or sizes[0] < 1:
+                raise ValueError("num_speculative_tokens_per_batch_size: batch sizes must be >= 1 and "
+                                 "strictly ascending")
+            if any(not 0 <= k <= self.num_speculative_tokens for _, k in table):
+                raise ValueError("num_speculative_tokens_per_batch_size: each k must be between 0 and "
+                                 "num_speculative_tokens")
+        return self
+
+    def tokens_for_batch(self, num_running: int) -> int:
+        """How many drafts per request at this load (0 = speculation off this step)."""
+        if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
+            return 0
+        table = self.num_speculative_tokens_per_batch_size
+        if table:
+            return next((k for b, k in table if num_running <= b), 0)
+        return self.num_speculative_tokens
+
+    @property
+    def needs_model(self) -> bool:
+        return False
+
+
+class NgramConfig(_Base):
+    method: Literal["ngram"] = "ngram"
+    prompt_lookup_min: int = Field(5, ge=1)
+    prompt_lookup_max: int = Field(5, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lookup_defaults(cls, data: Any) -> Any:
+        # vLLM's defaulting: both 5 when both are omitted; one given, the other mirrors it.
+        if isinstance(data, dict):
+            lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+            if lo is None and hi is not None:
+                data = {**data, "prompt_lookup_min": hi}
+            elif hi is None and lo is not None:
+                data = {**data, "prompt_lookup_max": lo}
+        return data
+
+    @model_validator(mode="after")
+    def _check_range(self) -> NgramConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
+class SuffixConfig(_Base):
+    method: Literal["suffix"] = "suffix"
+    num_speculative_tokens: int = Field(24, ge=1, le=64)
+    suffix_decoding_max_tree_depth: int = Field(24, ge=1)
+    suffix_decoding_max_cached_requests: int = Field(10000, ge=0)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _k_default(cls, data: Any) -> Any:
+        # Like vLLM: the draft length defaults to the tree depth.
+        if isinstance(data, dict) and "num_speculative_tokens" not in data:
+            data = {**data, "num_speculative_tokens": data.get("suffix_decoding_max_tree_depth", 24)}
+        return data
+
+
+class DraftModelConfig(_Base):
+    method: Literal["draft_model"] = "draft_model"
+    model: str = Field(min_length=1)
+
+    @property
+    def needs_model(self) -> bool:
+        return True
+
+
+class MTPConfig(_Base):
+    method: Literal["mtp"] = "mtp"
+    model: str = Field(min_length=1)
+    num_speculative_tokens: int = Field(1, ge=1, le=16)
+
+    @property
+    def needs_model(self) -> bool:
+        return True
+
+
+SpeculativeConfig = Annotated[NgramConfig | SuffixConfig | DraftModelConfig | MTPConfig,
+                              Field(discriminator="method")]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(SpeculativeConfig)
+
+
+def _format(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = [str(x) for x in err["loc"] if x not in ("ngram", "suffix", "draft_model", "mtp")]
+        key = ".".join(loc) or "speculative_config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "union_tag_invalid":
+            key, msg = "method", "must be one of ngram, suffix, draft_model, mtp"
+        parts.append(f"{key}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> Any:
+    """JSON text or a mapping (from --config YAML) -> a config model, or None when not given."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"invalid --speculative-config: not valid JSON ({e})") from None
+    else:
+        data = dict(value)
+    if not isinstance(data, dict):
+        raise SpeculativeConfigError("invalid --speculative-config: expected a JSON object")
+    for key, msg in _MISPLACED.items():
+        if key in data:
+            raise SpeculativeConfigError(f"invalid --speculative-config: {msg}")
+    if "method" not in data:
+        # vLLM's inference: model "ngram" means the ngram method, any other model a draft model.
+        model = data.get("model")
+        if model == "ngram":
+            data = {k: v for k, v in data.items() if k != "model"} | {"method": "ngram"}
+        elif isinstance(model, str) and model:
+            data = {**data, "method": "draft_model"}
+        else:
+            raise SpeculativeConfigError(
+                "invalid --speculative-config: method: missing (one of ngram, suffix, draft_model, mtp), "
+                "and no model to infer it from")
+    method = data.get("method")
+    if method in ("draft_model", "mtp") and not data.get("model"):
+        raise SpeculativeConfigError(f"invalid --speculative-config: model: method {method!r} needs a model")
+    if method in ("ngram", "suffix") and "model" in data and data["model"] not in (None, method):
+        raise SpeculativeConfigError(f"invalid --speculative-config: model: method {method!r} takes no model")
+    data = {k: v for k, v in data.items() if not (k == "model" and method in ("ngram", "suffix"))}
+    try:
+        return _ADAPTER.validate_python(data)
+    except ValidationError as e:
+        raise SpeculativeConfigError(f"invalid --speculative-config: {_format(e)}") from None

@@ -1,0 +1,106 @@
+"""A second (small) model drafts K tokens autoregressively over its own paged KV cache.
+
+The draft's KV blocks come out of the same memory budget as the target's (the engine splits it by
+bytes per token). Per request we remember where the last proposal started and what was fed, so the
+next call keeps exactly the draft KV whose tokens were accepted and recomputes the rest: rollback
+by position, nothing copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.attention import PagedKVCache
+from engine.kv.block_manager import KVCacheManager
+from engine.models import adapter
+from engine.models.loader import LoadedModel
+from engine.runner import ModelRunner
+from engine.spec.proposer import DraftRequest
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelError(ValueError):
+    pass
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel, key: str = "model") -> None:
+    """Start-up checks: same vocabulary and tokenizer, no sliding-window layers."""
+    if draft.vocab_size != target.vocab_size:
+        raise DraftModelError(f"invalid --speculative-config: {key}: draft vocabulary size "
+                              f"{draft.vocab_size} differs from the target's {target.vocab_size}")
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise DraftModelError(f"invalid --speculative-config: {key}: the draft's tokenizer differs from the "
+                              "target's (token ids must mean the same text)")
+    windows = adapter.layer_windows(draft.model)
+    if any(w is not None for w in windows):
+        raise DraftModelError(f"invalid --speculative-config: {key}: sliding-window draft models are not "
+                              "supported")
+
+
+@dataclass(slots=True)
+class _State:
+    start: int  # len(token_ids) when the last proposal was made
+    fed: list[int]  # drafts fed to the draft model after the last confirmed token
+
+
+class DraftModelProposer:
+    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int) -> None:
+        model = draft.model
+        n_kv, head_dim = adapter.kv_shape(model)
+        self.kv_cache = PagedKVCache(len(model.layers), num_blocks, block_size, n_kv, head_dim, draft.dtype)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self._state: dict[str, _State] = {}
+
+    @staticmethod
+    def bytes_per_block(draft: LoadedModel, block_size: int) -> int:
+        n_kv, head_dim = adapter.kv_shape(draft.model)
+        return PagedKVCache.bytes_per_block(len(draft.model.layers), block_size, n_kv, head_dim, draft.dtype)
+
+    def _num_valid(self, rid: str, token_ids: list[int]) -> int:
+        """Leading draft positions whose KV still matches the confirmed tokens."""
+        st = self._state.get(rid)
+        if st is None:
+            return 0
+        j = 0
+        while j < len(st.fed) and st.start + j < len(token_ids) and token_ids[st.start + j] == st.fed[j]:
+            j += 1
+        return min(st.start + j, len(token_ids) - 1)
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        active: list[tuple[int, DraftRequest, int]] = []  # (index, request, first position to feed)
+        for i, r in enumerate(requests):
+            c = self._num_valid(r.request_id, r.token_ids)
+            n = len(r.token_ids)
+            # Slots for the unfed confirmed tokens and the K-1 drafts fed back.
+            if self.kv.allocate_slots(r.request_id, c, n - c + r.num_drafts - 1):
+                active.append((i, r, c))
+            else:
+                self._state.pop(r.request_id, None)
+        if not active:
+            return drafts
+        chunks = [(r.token_ids[c:], c, self.kv.block_table(r.request_id), 1) for _, r, c in active]
+        toks = self.runner.greedy_tokens(self.runner.forward_chunks(chunks))
+        for (i, _, _), t in zip(active, toks, strict=True):
+            drafts[i].append(t)
+        step = 1
+        while True:
+            live = [(i, r) for i, r, _ in active if r.num_drafts > step]
+            if not live:
+                break
+            chunks = [([drafts[i][-1]], len(r.token_ids) + step - 1, self.kv.block_table(r.request_id), 1)
+                      for i, r in live]
+            toks = self.runner.greedy_tokens(self.runner.forward_chunks(chunks))
+            for (i, _), t in zip(live, toks, strict=True):
+                drafts[i].append(t)
+            step += 1
+        for i, r, _ in active:
+            self._state[r.request_id] = _State(start=len(r.token_ids), fed=drafts[i][:-1])
+        return drafts
+
+    def release(self, request_id: str, finished: bool) -> None:
+        self._state.pop(request_id, None)
+        self.kv.free(request_id)

@@ -1,0 +1,45 @@
+"""Build the proposer a speculative config asks for (start-up time, fails loudly)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.loader import LoadedModel
+from engine.spec.config import DraftModelConfig, MTPConfig, NgramConfig, SuffixConfig
+from engine.spec.proposer import Proposer
+
+
+def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> LoadedModel | None:
+    """Load and check the draft model of a draft_model config (None for model-free methods)."""
+    if isinstance(spec, MTPConfig):
+        raise ValueError("invalid --speculative-config: method: 'mtp' needs an MTP assistant checkpoint "
+                         "loader, which this build does not have yet")
+    if not isinstance(spec, DraftModelConfig):
+        return None
+    from engine.models.loader import load_model
+    from engine.spec.draft_model import check_draft_compatible
+
+    if spec.model in (target.path, target.name):
+        draft = target  # the target as its own draft shares weights, not KV
+    else:
+        draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress)
+    check_draft_compatible(target, draft)
+    return draft
+
+
+def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_size: int) -> Proposer:
+    if isinstance(spec, NgramConfig):
+        from engine.spec.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if isinstance(spec, SuffixConfig):
+        from engine.spec.suffix import SuffixProposer
+
+        return SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                              spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+    if isinstance(spec, DraftModelConfig):
+        from engine.spec.draft_model import DraftModelProposer
+
+        assert draft is not None
+        return DraftModelProposer(draft, num_blocks, block_size)
+    raise ValueError(f"unsupported speculative method {spec.method!r}")

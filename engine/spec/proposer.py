@@ -1,0 +1,29 @@
+"""The one interface every speculative method implements.
+
+A proposer sees plain lists (the request's confirmed tokens) and returns draft token lists. It never
+touches scheduler state; per-request state it keeps (a draft model's KV, a suffix tree) is released
+through `release()` when the engine says the request ended or was preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    request_id: str
+    token_ids: list[int]  # prompt + output, all confirmed (read-only: the request's own list)
+    num_prompt_tokens: int
+    num_drafts: int  # the most drafts wanted this step (>= 1)
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """One draft list per request, each at most `num_drafts` long (possibly empty)."""
+        ...
+
+    def release(self, request_id: str, finished: bool) -> None:
+        """Forget per-request state. `finished` is False for a preemption (the request comes back)."""
+        ...

@@ -1,0 +1,143 @@
+"""Suffix decoding (SuffixDecoding / Arctic Inference's idea, implemented here from the paper's
+description): depth-bounded suffix tries over (a) the request's own prompt + output and (b) a global
+cache of past responses. Each step matches the longest suffix of the context in a trie and follows
+the most frequent continuation while its estimated probability stays above `min_token_prob`, for at
+most `min(k, max_spec_factor * match_length)` tokens. The trie giving the higher expected number of
+accepted tokens wins.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.spec.proposer import DraftRequest
+
+
+@dataclass(slots=True)
+class _Node:
+    count: int = 0
+    children: dict[int, _Node] = field(default_factory=dict)
+
+
+class SuffixTrie:
+    """Counts of every substring of length <= depth of the inserted sequences."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+
+    def add(self, tokens: list[int], sign: int = 1) -> None:
+        """Insert (sign=1) or remove (sign=-1) all substrings of `tokens` up to `depth` long."""
+        d = self.depth
+        for i in range(len(tokens)):
+            node = self.root
+            for tok in tokens[i : i + d]:
+                child = node.children.get(tok)
+                if child is None:
+                    if sign < 0:
+                        break
+                    child = node.children[tok] = _Node()
+                child.count += sign
+                if child.count <= 0:
+                    del node.children[tok]
+                    break
+                node = child
+
+    def extend(self, tokens: list[int], start: int) -> None:
+        """The sequence grew from `start`: count the new substrings ending at each new token."""
+        d = self.depth
+        for end in range(start, len(tokens)):
+            tok = tokens[end]
+            for s in range(max(0, end - d + 1), end + 1):
+                node = self.root
+                for prev in tokens[s:end]:  # already inserted, so the path exists
+                    node = node.children[prev]
+                child = node.children.get(tok)
+                if child is None:
+                    child = node.children[tok] = _Node()
+                child.count += 1
+
+    def match(self, context: list[int]) -> tuple[_Node | None, int]:
+        """Deepest node matching a suffix of `context` (longest match first)."""
+        for length in range(min(self.depth - 1, len(context)), 0, -1):
+            node = self.root
+            for tok in context[len(context) - length :]:
+                node = node.children.get(tok)
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, length
+        return None, 0
+
+
+def _follow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+    """Greedy path of most frequent children; returns (tokens, expected accepted = sum of path probs)."""
+    out: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(out) < max_tokens and node.children:
+        total = sum(c.count for c in node.children.values())
+        tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+        prob *= child.count / total
+        if prob < min_prob:
+            break
+        out.append(tok)
+        score += prob
+        node = child
+    return out, score
+
+
+class SuffixProposer:
+    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
+                 min_token_prob: float) -> None:
+        self.depth = max_tree_depth
+        self.max_cached = max_cached_requests
+        self.spec_factor = max_spec_factor
+        self.min_prob = min_token_prob
+        self.global_trie = SuffixTrie(max_tree_depth + 1)
+        self._cached: OrderedDict[str, list[int]] = OrderedDict()  # past responses, oldest first
+        # request -> (trie, tokens inserted, the request's token list, prompt length)
+        self._local: dict[str, tuple[SuffixTrie, int, list[int], int]] = {}
+
+    def _local_trie(self, r: DraftRequest) -> SuffixTrie:
+        entry = self._local.get(r.request_id)
+        if entry is None:
+            trie = SuffixTrie(self.depth + 1)
+            trie.add(r.token_ids)
+        else:
+            trie, n = entry[0], entry[1]
+            if n < len(r.token_ids):
+                trie.extend(r.token_ids, n)
+        self._local[r.request_id] = (trie, len(r.token_ids), r.token_ids, r.num_prompt_tokens)
+        return trie
+
+    def _draft(self, trie: SuffixTrie, context: list[int], k: int) -> tuple[list[int], float]:
+        node, length = trie.match(context)
+        if node is None:
+            return [], 0.0
+        limit = min(k, max(1, int(self.spec_factor * length)))
+        return _follow(node, limit, self.min_prob)
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        out = []
+        for r in requests:
+            context = r.token_ids[-self.depth :]
+            local = self._draft(self._local_trie(r), context, r.num_drafts)
+            glob = self._draft(self.global_trie, context, r.num_drafts) if self._cached else ([], 0.0)
+            out.append(max(local, glob, key=lambda d: d[1])[0])
+        return out
+
+    def release(self, request_id: str, finished: bool) -> None:
+        entry = self._local.pop(request_id, None)
+        if finished and entry is not None:
+            _, _, token_ids, num_prompt = entry
+            self.cache_response(request_id, token_ids[num_prompt:])
+
+    def cache_response(self, request_id: str, output_token_ids: list[int]) -> None:
+        if self.max_cached == 0 or not output_token_ids:
+            return
+        self._cached[request_id] = list(output_token_ids)
+        self.global_trie.add(self._cached[request_id])
+        while len(self._cached) > self.max_cached:
+            _, old = self._cached.popitem(last=False)
+            self.global_trie.add(old, sign=-1)
