@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 
-import engine  # noqa: F401  - selects the BLAS before mlx is imported
 import mlx.core as mx
 
 from engine.llm import LLM

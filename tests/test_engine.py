@@ -161,7 +161,8 @@ def test_too_long_prompt_is_rejected_before_entering() -> None:
         llm.core.add_request("y", [10**7], GREEDY)
     assert not llm.core.has_unfinished()
     # max_tokens is capped by the room left.
-    (o,) = llm.generate([list(range(1000, 1060))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    long_params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    (o,) = llm.generate([list(range(1000, 1060))], long_params)
     assert len(o.token_ids) == 4 and o.finish_reason == "length"
     assert_pool_full(llm)
 

@@ -1,0 +1,237 @@
+"""Speculative decoding: exact greedy equality inside continuous batching, config validation,
+verification table, proposers, and the acceptance counters."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from engine.attention import PagedKVCache
+from engine.models import adapter
+from engine.sampling import SamplingParams
+from engine.spec.config import SpeculativeConfigError, parse_speculative_config
+from engine.spec.ngram import find_ngram_draft
+from engine.spec.verify import verify_greedy
+from tests.helpers import CHATS, default_model, make_llm
+
+MAX_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+COPY_TEXT = ("The quick brown fox jumps over the lazy dog near the river bank. A small bird sings on the "
+             "old oak tree while the farmer walks to the market with a basket of red apples.")
+
+
+@functools.cache
+def _prompts() -> tuple[tuple[int, ...], ...]:
+    llm = make_llm()
+    texts = [*CHATS, f"Repeat this text exactly, word for word: {COPY_TEXT}",
+             f"Rewrite this text with 'fox' replaced by 'cat': {COPY_TEXT}"]
+    return tuple(tuple(llm.apply_chat_template([{"role": "user", "content": t}])) for t in texts)
+
+
+def prompts() -> list[list[int]]:
+    return [list(p) for p in _prompts()]
+
+
+@functools.cache
+def _plain() -> tuple[tuple[int, ...], ...]:
+    outs = make_llm().generate(prompts(), GREEDY)
+    return tuple(tuple(o.token_ids) for o in outs)
+
+
+def plain() -> list[list[int]]:
+    return [list(t) for t in _plain()]
+
+
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+    "draft_model": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3},
+}
+
+
+def spec_llm(method: str, **kwargs):
+    cfg = dict(METHODS[method])
+    if cfg.get("model") == "<target>":
+        cfg["model"] = default_model().path  # the target as its own draft
+    return make_llm(speculative_config=cfg, **kwargs)
+
+
+def assert_pool_full(llm) -> None:
+    assert not llm.core.has_unfinished()
+    assert llm.core.kv.num_free_blocks == llm.core.kv.pool.num_blocks
+    draft_kv = getattr(llm.core.proposer, "kv", None)
+    if draft_kv is not None:
+        assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks, "draft KV blocks leaked"
+
+
+# -- pure pieces ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("drafts", "target", "expected"), [
+    ([], [5], [5]),  # no drafts: plain decode
+    ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]),  # all accepted + bonus token
+    ([1, 2, 3], [9, 2, 3, 4], [9]),  # first rejected: the target's token
+    ([1, 2, 3], [1, 7, 3, 4], [1, 7]),  # early mismatch
+    ([1, 2, 3], [1, 2, 8, 4], [1, 2, 8]),  # late mismatch
+    ([4, 4], [4, 4, 4], [4, 4, 4]),  # repeats
+])
+def test_verify_greedy_table(drafts: list[int], target: list[int], expected: list[int]) -> None:
+    assert verify_greedy(drafts, target) == expected
+
+
+def test_verify_greedy_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError):
+        verify_greedy([1, 2], [1, 2])
+
+
+@pytest.mark.parametrize(("tokens", "lo", "hi", "k", "expected"), [
+    ([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 4, 7, 8, 3, 4], 2, 4, 3, [7, 8, 3]),  # most recent of equal length
+    ([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], 1, 4, 2, [6, 0]),  # longest match wins
+    ([1, 2, 3, 1, 2], 3, 3, 4, []),  # suffix shorter than min never matches
+    ([7, 8, 7, 8, 7, 8], 2, 2, 5, [7, 8]),  # proposal truncated by the end of the sequence
+    ([1, 2], 1, 2, 3, []),
+])
+def test_ngram_table(tokens: list[int], lo: int, hi: int, k: int, expected: list[int]) -> None:
+    assert find_ngram_draft(np.array(tokens), lo, hi, k) == expected
+
+
+BAD_CONFIGS = [
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}', "bogus"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 6, "prompt_lookup_max": 2}',
+     "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "tensor_parallel_size": 2}', "tensor_parallel_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "temperature": 0.5}', "temperature"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "top_p": 0.5}', "top_p"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "model"),
+    ('{"method": "mtp"}', "model"),
+    ('{"method": "magic", "num_speculative_tokens": 3}', "method"),
+    ('{"num_speculative_tokens": 3}', "method"),
+    ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
+     "draft_tensor_parallel_size"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
+    ('not json', "JSON"),
+]
+
+
+@pytest.mark.parametrize(("text", "key"), BAD_CONFIGS)
+def test_bad_configs_fail_naming_the_key(text: str, key: str) -> None:
+    with pytest.raises(SpeculativeConfigError, match=key):
+        parse_speculative_config(text)
+
+
+def test_config_defaults_like_vllm() -> None:
+    c = parse_speculative_config('{"model": "ngram", "num_speculative_tokens": 4}')
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
+    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    c = parse_speculative_config({"model": "some/draft", "num_speculative_tokens": 2})
+    assert c.method == "draft_model"
+    c = parse_speculative_config({"method": "suffix"})
+    assert c.num_speculative_tokens == c.suffix_decoding_max_tree_depth == 24
+    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 4,
+                                  "num_speculative_tokens_per_batch_size": [[1, 4], [2, 2]]})
+    assert [c.tokens_for_batch(b) for b in (1, 2, 3, 5)] == [4, 2, 0, 0]
+
+
+def test_draft_with_other_vocabulary_fails_at_startup(tmp_path) -> None:
+    from tests.test_models import TINY, make_tiny_folder
+
+    TINY["llama_small_vocab"] = dict(TINY["llama"], vocab_size=1000)
+    try:
+        folder = make_tiny_folder("llama_small_vocab", tmp_path)
+    finally:
+        del TINY["llama_small_vocab"]
+    with pytest.raises(ValueError, match="vocabulary size 1000"):
+        make_llm(speculative_config={"method": "draft_model", "model": str(folder),
+                                     "num_speculative_tokens": 2})
+
+
+def test_sliding_window_draft_fails_at_startup(tmp_path) -> None:
+    from tests.test_models import make_tiny_folder
+
+    folder = make_tiny_folder("gemma3_text", tmp_path)
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_llm(speculative_config={"method": "draft_model", "model": str(folder),
+                                     "num_speculative_tokens": 2})
+
+
+# -- exact greedy equality in the batched engine ---------------------------------------------------
+@pytest.mark.parametrize("method", list(METHODS))
+def test_spec_equals_plain_at_batch_1_4_8(method: str) -> None:
+    llm = spec_llm(method)
+    ps, ref = prompts(), plain()
+    assert max(len(p) for p in ps) > 4 * 16  # prompts cross several block boundaries
+    accepted = 0
+    for bs in (1, 4, 8):
+        for i in range(0, len(ps), bs):
+            outs = llm.generate(ps[i:i + bs], GREEDY)
+            for o, r in zip(outs, ref[i:i + bs], strict=True):
+                assert o.token_ids == r
+                accepted += o.spec_num_accepted_tokens
+    assert accepted > 0, "no draft was ever accepted: speculation did not run"
+    assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_spec_mixed_with_sampled_requests_prefix_hits_and_preemption(method: str) -> None:
+    loaded = default_model()
+    n_kv, head_dim = adapter.kv_shape(loaded.model)
+    per_block = PagedKVCache.bytes_per_block(len(loaded.model.layers), 16, n_kv, head_dim, loaded.dtype)
+    per_block *= 2 if method == "draft_model" else 1
+    llm = spec_llm(method, max_model_len=256, kv_cache_memory=str(20 * per_block))
+    ps, ref = prompts(), plain()
+    params = [GREEDY if i % 3 else SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=i)
+              for i in range(len(ps))]
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate(ps, params)
+        for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+            if i % 3:
+                assert o.token_ids == r
+            else:
+                assert o.spec_num_draft_tokens == 0  # sampled requests never draft
+    assert llm.core.scheduler.num_preemptions > 0
+    assert llm.core.kv.prefix_hits > 0
+    assert_pool_full(llm)
+
+
+def test_disable_by_batch_size_turns_drafting_off() -> None:
+    llm = make_llm(speculative_config={**METHODS["ngram"], "disable_by_batch_size": 2})
+    copy_prompt, copy_ref = prompts()[-2], plain()[-2]
+    # Three identical requests run (and finish) together: above the limit for their whole life.
+    outs = llm.generate([copy_prompt] * 3, GREEDY)
+    assert all(o.token_ids == copy_ref and o.spec_num_draft_tokens == 0 for o in outs)
+    (alone,) = llm.generate([copy_prompt], GREEDY)
+    assert alone.token_ids == copy_ref and alone.spec_num_accepted_tokens > 0
+    assert_pool_full(llm)
+
+
+def test_acceptance_counters_are_consistent() -> None:
+    llm = spec_llm("ngram")
+    core = llm.core
+    ps = prompts()[-4:]
+    for i, p in enumerate(ps):
+        core.add_request(f"r{i}", p, GREEDY)
+    steps_with_drafts = 0
+    total = None
+    while core.has_unfinished():
+        so_preview = [r for r in core.scheduler.running if r.spec_token_ids]
+        steps_with_drafts += len(so_preview)
+        outs, stats = core.step()
+        if stats is not None and stats.spec is not None:
+            s = stats.spec
+            assert s.num_accepted_tokens <= s.num_draft_tokens
+            assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:], strict=False))
+            assert sum(s.accepted_per_pos) == s.num_accepted_tokens
+            if total is None:
+                total = s
+            else:
+                total.num_drafts += s.num_drafts
+                total.num_draft_tokens += s.num_draft_tokens
+                total.num_accepted_tokens += s.num_accepted_tokens
+    assert total is not None and total.num_drafts == steps_with_drafts > 0
+    assert 0 < total.num_accepted_tokens <= total.num_draft_tokens
+    assert_pool_full(llm)
