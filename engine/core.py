@@ -20,6 +20,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, set_global_seed
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec.backoff import DraftBackoff
 from engine.spec.factory import build_proposer, load_draft
 from engine.spec.proposer import DraftRequest, Proposer
 from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
@@ -64,6 +65,7 @@ class EngineCore:
                                    self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache)
         self.proposer: Proposer | None = None
+        self.backoff = DraftBackoff()
         self.spec_max_len = self.max_model_len
         if self.spec is not None:
             self.proposer = build_proposer(self.spec, draft, num_blocks, bs)
@@ -195,6 +197,7 @@ class EngineCore:
             if not sr.spec_token_ids:
                 continue
             st.observe(len(sr.spec_token_ids), n_acc)
+            self.backoff.observe(sr.request_id, len(sr.spec_token_ids), n_acc)
             req = self.scheduler.requests.get(sr.request_id)
             if req is not None:
                 req.spec_num_drafts += 1
@@ -215,6 +218,8 @@ class EngineCore:
                 continue
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still prefilling
+            if not self.backoff.should_draft(req.request_id):
+                continue
             k = min(k_batch, req.max_tokens - req.num_output_tokens - 1,
                     self.spec_max_len - req.num_tokens)
             if k < 1:
@@ -235,6 +240,7 @@ class EngineCore:
             req.spec_token_ids = list(d[: r.num_drafts])
 
     def _release(self, req: Request) -> None:
+        self.backoff.release(req.request_id)
         if self.proposer is not None:
             normal = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
             self.proposer.release(req.request_id, finished=normal)
