@@ -58,6 +58,8 @@ class AttentionGroup:
     block_tables: mx.array  # [R, NB] int32 (padding: block 0, masked out)
     num_rows: int
     max_len: int
+    # Pure decode (one token per request, batch order): queries and outputs need no gather.
+    identity: bool = False
     _masks: dict[int | None, mx.array] = field(default_factory=dict)
 
     def mask(self, block_size: int, window: int | None) -> mx.array:
@@ -119,7 +121,8 @@ def build_metadata(
             tables.append(list(table[:NB]) + [0] * (NB - min(NB, len(table))))
         groups.append(AttentionGroup(
             q_index=mx.array(q_index, dtype=mx.int32), q_pos=mx.array(q_pos, dtype=mx.int32),
-            block_tables=mx.array(tables, dtype=mx.int32), num_rows=len(members), max_len=L))
+            block_tables=mx.array(tables, dtype=mx.int32), num_rows=len(members), max_len=L,
+            identity=L == 1 and len(members) == len(chunks)))
         base += len(members) * L
     return AttentionMetadata(
         positions=mx.array(positions, dtype=mx.int32), slot_mapping=mx.array(slots, dtype=mx.int32),
@@ -139,10 +142,12 @@ def paged_attention_reference(
     for g in meta.groups:
         R, L = g.num_rows, g.max_len
         ctx = g.block_tables.shape[1] * bs
-        qg = q[g.q_index].transpose(0, 2, 1, 3)  # [R, H, L, D]
+        qg = q[:, :, None, :] if g.identity else q[g.q_index].transpose(0, 2, 1, 3)  # [R, H, L, D]
         kg = k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)  # [R, Hkv, C, D]
         vg = v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(bs, window))
         outs.append(o.transpose(0, 2, 1, 3).reshape(R * L, q.shape[1], d))
+    if len(outs) == 1 and meta.groups[0].identity:
+        return outs[0]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out[meta.out_index]

@@ -140,8 +140,11 @@ class Worker:
     def _result(wall: float, toks: list[list[int]], ttfts: list[float], prompts: list[list[int]]
                 ) -> dict[str, Any]:
         gen = sum(len(t) for t in toks)
+        # Rough steady-state decode rate: tokens after each first token, over the time after the last.
+        tail = wall - max(ttfts, default=0.0)
         return {"wall_s": wall, "generated_tokens": gen, "prompt_tokens": sum(len(p) for p in prompts),
                 "tok_s": gen / wall if wall > 0 else 0.0,
+                "decode_tok_s": (gen - len(toks)) / tail if tail > 0 else None,
                 "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
                 "ttft_max_s": max(ttfts) if ttfts else None, "token_ids": toks}
 
@@ -176,7 +179,8 @@ def worker_main(cfg: dict[str, Any], out_path: str) -> None:
                 r.update(engine=name, concurrency=c, repeat=rep, ran=pos)
                 pair[name] = r
                 log(f"[{setting}] rep {rep} c={c:<2} {name:<9} {r['tok_s']:8.1f} tok/s "
-                    f"({r['generated_tokens']} tok, {r['wall_s']:.2f}s, ttft {r['ttft_mean_s']:.3f}s)")
+                    f"({r['generated_tokens']} tok, {r['wall_s']:.2f}s, ttft {r['ttft_mean_s']:.3f}s, "
+                    f"decode {r['decode_tok_s'] or 0:.1f} tok/s)")
             # Greedy float32 on the same weights: outputs should agree (batching may flip near-ties).
             same = sum(a == b for a, b in zip(pair["specserve"]["token_ids"], pair["mlx_lm"]["token_ids"],
                                              strict=True))
@@ -195,11 +199,12 @@ def worker_main(cfg: dict[str, Any], out_path: str) -> None:
 
 # -- parent --------------------------------------------------------------------------------------
 
-def median_table(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """-> {concurrency: {engine: median tok/s across repeats}}."""
+def median_table(runs: list[dict[str, Any]], key: str = "tok_s") -> dict[int, dict[str, float]]:
+    """-> {concurrency: {engine: median of `key` across repeats}}."""
     acc: dict[int, dict[str, list[float]]] = {}
     for r in runs:
-        acc.setdefault(r["concurrency"], {}).setdefault(r["engine"], []).append(r["tok_s"])
+        if r.get(key) is not None:
+            acc.setdefault(r["concurrency"], {}).setdefault(r["engine"], []).append(r[key])
     return {c: {e: statistics.median(v) for e, v in d.items()} for c, d in sorted(acc.items())}
 
 
@@ -226,22 +231,50 @@ def target_checks(med: dict[int, dict[str, float]]) -> dict[str, dict[str, Any]]
 def verdict(check: dict[str, Any]) -> str:
     if check["pass"] is None:
         return "SKIP (" + check["description"] + ")"
-    return f"{'PASS' if check['pass'] else 'FAIL'}  {check['value']:.2f}x (need >= {check['threshold']:.1f}x)"
+    status = "PASS" if check["pass"] else "FAIL"
+    return f"{status}  {check['value']:.3f}x (need >= {check['threshold']:.1f}x)"
+
+
+def ratio_str(a: float | None, b: float | None, width: int) -> str:
+    return f"{a / b:>{width}.2f}" if a is not None and b else f"{'n/a':>{width}}"
 
 
 def print_report(workers: list[dict[str, Any]]) -> None:
-    print(f"\n{'blas':<10} {'conc':>4} {'specserve tok/s':>16} {'mlx-lm tok/s':>13} {'ratio':>6} "
-          f"{'match':>6}")
+    print("\nmedians across repeats; tok/s = generated tokens / batch wall time (prefill included);"
+          "\ndecode x = ratio of steady-state decode rates; ttft = mean time to first token (s)")
+    print(f"{'blas':<10} {'conc':>4} {'specserve tok/s':>16} {'mlx-lm tok/s':>13} {'ratio':>6} "
+          f"{'decode x':>9} {'ttft ours':>10} {'ttft mlx':>9} {'match':>6}")
     for w in workers:
+        dec, ttft = w["medians_decode"], w["medians_ttft"]
         for c, d in w["medians"].items():
             ours, ref = d.get("specserve", 0.0), d.get("mlx_lm", 0.0)
             match = statistics.fmean(r["outputs_match"] for r in w["runs"] if r["concurrency"] == c)
-            ratio = f"{ours / ref:6.2f}" if ref else "   n/a"
-            print(f"{w['blas']['name']:<10} {c:>4} {ours:>16.1f} {ref:>13.1f} {ratio} {match:>6.0%}")
+            t = ttft.get(c, {})
+            print(f"{w['blas']['name']:<10} {c:>4} {ours:>16.1f} {ref:>13.1f} {ratio_str(ours, ref, 6)} "
+                  f"{ratio_str(dec.get(c, {}).get('specserve'), dec.get(c, {}).get('mlx_lm'), 9)} "
+                  f"{t.get('specserve', float('nan')):>10.3f} {t.get('mlx_lm', float('nan')):>9.3f} "
+                  f"{match:>6.0%}")
     print()
     for w in workers:
+        p = w["plan"]
+        print(f"{w['blas']['name']:<10} plan: concurrency {p['concurrency']}, max_tokens {p['max_tokens']}, "
+              f"repeats {p['repeats']}; worker {w['worker_wall_s']:.0f}s")
         for key, chk in w["targets"].items():
             print(f"{w['blas']['name']:<10} {key:<14} {verdict(chk)}")
+
+
+DEFAULT_PLAN = {"repeats": 2, "concurrency": "1,4,8,16", "max_tokens": 64}
+QUICK_PLAN = {"repeats": 1, "concurrency": "1,8", "max_tokens": 16}
+# Reference BLAS runs ~7 GFLOP/s: 16-way prefill alone takes about a minute per engine, so by default
+# it gets only what the two target checks need (flags given explicitly, or --full-reference, win).
+REFERENCE_PLAN = {"repeats": 1, "concurrency": "1,8", "max_tokens": 32}
+
+
+def parse_concurrency(text: str) -> list[int]:
+    vals = [int(x) for x in text.split(",") if x.strip()]
+    if not vals or min(vals) < 1:
+        raise ValueError(text)
+    return vals
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -252,6 +285,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, help="tokens generated per request (default 64)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: concurrency 1,8, max-tokens 16, repeats 1, blas auto (flags override)")
+    ap.add_argument("--full-reference", action="store_true",
+                    help="run the reference-BLAS worker with the full plan too (default: concurrency 1,8, "
+                         "max-tokens 32, repeats 1, since it is ~10x slower)")
     ap.add_argument("--output-json", default="results/bench_engine.json")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -259,21 +295,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    base = {"repeats": 1, "concurrency": "1,8", "blas": "auto", "max_tokens": 16} if args.quick else \
-        {"repeats": 2, "concurrency": "1,4,8,16", "blas": "auto,reference", "max_tokens": 64}
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.repeats < 1 or args.max_tokens < 1:
+    if args.blas is None:
+        args.blas = "auto" if args.quick else "auto,reference"
+    args.blas = [b.strip() for b in args.blas.split(",") if b.strip()]
+    if any(v is not None and v < 1 for v in (args.repeats, args.max_tokens)):
         ap.error("--repeats and --max-tokens must be >= 1")
-    try:
-        args.concurrency = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-    except ValueError:
-        ap.error("--concurrency: comma-separated integers, e.g. 1,4,8,16")
-    if not args.concurrency or min(args.concurrency) < 1:
-        ap.error("--concurrency values must be >= 1")
-    args.blas = [b.strip() for b in str(args.blas).split(",") if b.strip()]
+    if args.concurrency is not None:
+        try:
+            parse_concurrency(args.concurrency)
+        except ValueError:
+            ap.error("--concurrency: comma-separated integers >= 1, e.g. 1,4,8,16")
     return args
+
+
+def plan_for(setting: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Explicit flags win; otherwise the quick, reference or default plan."""
+    base = QUICK_PLAN if args.quick else DEFAULT_PLAN
+    if setting == "reference" and not args.quick and not args.full_reference:
+        base = REFERENCE_PLAN
+    plan = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
+    plan["concurrency"] = parse_concurrency(str(plan["concurrency"]))
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,10 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker_main(json.loads(args.worker), args.worker_out)
         return 0
-    cfg = {"repeats": args.repeats, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-           "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
-           "temperature": 0.0, "ignore_eos": True, "num_prompts": len(PROMPTS),
-           "mlx_lm_single": "generate_step", "mlx_lm_batch": "BatchGenerator(prefill_batch_size=c)"}
+    common = {"kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
+              "temperature": 0.0, "ignore_eos": True, "num_prompts": len(PROMPTS),
+              "mlx_lm_single": "generate_step",
+              "mlx_lm_batch": "BatchGenerator(prefill_batch_size=c, completion_batch_size=max(32, c))"}
+    plans = {s: {**plan_for(s, args), **common} for s in args.blas}
     t_start = time.perf_counter()
     workers: list[dict[str, Any]] = []
     for setting in args.blas:
@@ -292,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "worker.json")
             env = {**os.environ, "SPECSERVE_BLAS": setting}
-            cmd = [sys.executable, "-m", "tools.bench_engine", "--worker", json.dumps(cfg),
+            cmd = [sys.executable, "-m", "tools.bench_engine", "--worker", json.dumps(plans[setting]),
                    "--worker-out", out]
             t0 = time.perf_counter()
             rc = subprocess.run(cmd, env=env).returncode
@@ -304,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         med = median_table(w["runs"])
         w["targets"] = target_checks(med)
         w["medians"] = med
+        w["medians_decode"] = median_table(w["runs"], "decode_tok_s")
+        w["medians_ttft"] = median_table(w["runs"], "ttft_mean_s")
+        w["plan"] = plans[setting]
         workers.append(w)
     wall = time.perf_counter() - t_start
     print_report(workers)
@@ -315,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version(), "cpu_count": os.cpu_count()},
         "versions": workers[0]["versions"] if workers else {},
         "model": workers[0]["model"] if workers else {},
-        "config": cfg,
+        "config": {"plans": plans, "blas_settings": args.blas},
         "wall_s": wall,
-        "workers": [{**w, "medians": {str(c): d for c, d in w["medians"].items()}} for w in workers],
+        "workers": [{**w, **{k: {str(c): d for c, d in w[k].items()}
+                             for k in ("medians", "medians_decode", "medians_ttft")}} for w in workers],
         "medians": {w["setting"]: {str(c): d for c, d in w["medians"].items()} for w in workers},
         "targets": {w["setting"]: w["targets"] for w in workers},
     }
