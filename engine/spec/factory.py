@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from engine.models.loader import LoadedModel
@@ -19,7 +20,8 @@ def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> Lo
     from engine.models.loader import load_model
     from engine.spec.draft_model import check_draft_compatible
 
-    if spec.model in (target.path, target.name):
+    same_path = Path(spec.model).expanduser().resolve() == Path(target.path).resolve()
+    if same_path or spec.model == target.name:
         draft = target  # the target as its own draft shares weights, not KV
     else:
         draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress)
