@@ -78,6 +78,8 @@ class EngineCore:
                         self.spec.num_speculative_tokens,
                         f", draft {draft.name} ({draft.path})" if draft is not None else "")
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Requests that ended outside a step (aborts): reported with the next stats object.
+        self._finished_backlog: list[FinishedRequestStats] = []
         set_global_seed(config.seed)
 
     def _resolve_max_model_len(self) -> int:
@@ -120,7 +122,23 @@ class EngineCore:
             return None
         self._detok.pop(request_id, None)
         self._release(req)
+        self._finished_backlog.append(self._finished_stats(req))
         return self._output(req, [], "", None)
+
+    def take_finished_backlog(self) -> IterationStats | None:
+        """Stats for requests that ended between steps, if any (the loop reports them when idle)."""
+        if not self._finished_backlog:
+            return None
+        stats = self._new_stats(time.monotonic(), 0.0, 0)
+        stats.finished, self._finished_backlog = self._finished_backlog, []
+        return stats
+
+    def _new_stats(self, now: float, step_seconds: float, num_scheduled: int) -> IterationStats:
+        return IterationStats(
+            timestamp=now, step_seconds=step_seconds, num_scheduled_requests=num_scheduled,
+            num_prompt_tokens=0, num_generation_tokens=0, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), kv_cache_usage=self.kv.usage(), num_preempted=0,
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -142,21 +160,16 @@ class EngineCore:
                     req.error = f"{type(e).__name__}: {e}"
                     self._detok.pop(sr.request_id, None)
                     self._release(req)
+                    self._finished_backlog.append(self._finished_stats(req))
                     outs.append(self._output(req, [], "", None))
-            return outs, None
-        num_prompt_tokens = sum(len(sr.token_ids) for sr in so.scheduled if sr.num_logits == 0) + sum(
-            len(sr.token_ids) - sr.num_logits for sr in so.scheduled if sr.num_logits > 0
-            and not sr.spec_token_ids)
+            return outs, self.take_finished_backlog()
         updates = self.scheduler.update(so, res)
         lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
 
         now = time.monotonic()
-        stats = IterationStats(
-            timestamp=now, step_seconds=now - t0, num_scheduled_requests=len(so.scheduled),
-            num_prompt_tokens=num_prompt_tokens, num_generation_tokens=0,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage(), num_preempted=len(so.preempted_ids),
-            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
+        stats = self._new_stats(now, now - t0, len(so.scheduled))
+        stats.num_preempted = len(so.preempted_ids)
+        stats.finished, self._finished_backlog = self._finished_backlog, []
         if self.spec is not None:
             stats.spec = self._spec_stats(so, res.num_accepted_drafts)
             for rid in so.preempted_ids:
@@ -166,6 +179,8 @@ class EngineCore:
         for req, new_tokens in updates:
             stats.num_generation_tokens += len(new_tokens)
             if new_tokens and req.num_output_tokens == len(new_tokens):
+                # Prefill done: count the whole prompt (cached part included), as vLLM does.
+                stats.num_prompt_tokens += req.num_prompt_tokens
                 stats.time_to_first_tokens.append(now - req.times.arrival)
             detok = self._detok.get(req.request_id)
             text = ""
@@ -268,4 +283,6 @@ class EngineCore:
             num_generation_tokens=req.num_output_tokens, e2e_latency=end - t.arrival,
             queue_time=(t.scheduled or end) - t.arrival,
             time_to_first_token=None if t.first_token is None else t.first_token - t.arrival,
-            time_per_output_token=tpot, num_cached_tokens=req.num_cached_prompt_tokens)
+            time_per_output_token=tpot, num_cached_tokens=req.num_cached_prompt_tokens,
+            spec_num_draft_tokens=req.spec_num_draft_tokens,
+            spec_num_accepted_tokens=req.spec_num_accepted_tokens)

@@ -119,20 +119,26 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain(block=not self.core.has_unfinished())
                 if not self.core.has_unfinished():
+                    self._report(self.core.take_finished_backlog())
                     continue
                 outputs, stats = self.core.step()
+                # Stats first: a client that got its last token then sees the counters already moved.
+                self._report(stats)
                 for out in outputs:
                     self._emit(out)
-                if stats is not None and self.stats_callback is not None:
-                    try:
-                        self.stats_callback(stats)
-                    except Exception:  # noqa: BLE001
-                        logger.exception("stats callback failed")
         except BaseException as e:  # noqa: BLE001 - record, then fail everyone waiting
             self.error = e
             logger.exception("engine thread died")
         finally:
             self._fail_all("the engine stopped" if self.error is None else f"engine error: {self.error}")
+
+    def _report(self, stats: IterationStats | None) -> None:
+        if stats is None or self.stats_callback is None:
+            return
+        try:
+            self.stats_callback(stats)
+        except Exception:  # noqa: BLE001 - metrics must not stop the engine
+            logger.exception("stats callback failed")
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._callbacks):

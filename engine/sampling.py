@@ -164,12 +164,16 @@ def set_global_seed(seed: int | None) -> None:
     value = secrets.randbits(64) if seed is None else seed & _MASK64
     with _key_lock:
         _global_key = mx.random.key(value)
+        # Evaluate now: a lazy key is tied to this thread's MLX stream, and another engine thread
+        # splitting it later would fail ("There is no Stream(cpu, N) in current thread").
+        mx.eval(_global_key)
 
 
 def _next_global_key() -> mx.array:
     global _global_key
     with _key_lock:
         _global_key, sub = mx.random.split(_global_key)
+        mx.eval(_global_key, sub)
     return sub
 
 

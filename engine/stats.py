@@ -15,6 +15,8 @@ class FinishedRequestStats:
     time_to_first_token: float | None
     time_per_output_token: float | None  # mean over tokens after the first
     num_cached_tokens: int
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

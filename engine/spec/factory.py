@@ -24,7 +24,10 @@ def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> Lo
     if same_path or spec.model == target.name:
         draft = target  # the target as its own draft shares weights, not KV
     else:
-        draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress)
+        try:
+            draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
     check_draft_compatible(target, draft)
     return draft
 

@@ -1,0 +1,216 @@
+"""The FastAPI app: routes, API-key / body-size guard, lifespan (engine thread + stats log)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import engine
+from server.engine_client import EngineClient
+from server.errors import APIError, bad_request, install_error_handlers
+from server.metrics import CONTENT_TYPE, format_spec_line, format_stats_line
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.serving import OpenAIServing
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # monitoring stays reachable without the API key
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class GuardMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would hide client disconnects from streaming responses).
+
+    1. API key: `Authorization: Bearer KEY`, compared in constant time, on every path but OPEN_PATHS.
+    2. Body size: 413 from Content-Length, or while reading a chunked body, before any parsing.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            err = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await err.response()(scope, receive, send)
+            return
+        if scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"request body is larger than the limit of {self.max_body} bytes",
+                             code="request_too_large")
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            await too_large.response()(scope, receive, send)
+            return
+        # Buffer the body (bounded), then replay it; later receive() calls go to the server so the
+        # app still sees `http.disconnect`.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # client gone before sending its body
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body:
+                await too_large.response()(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        auth = _header(scope, b"authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        assert self.api_key is not None
+        # compare_digest on equal-type bytes: time does not depend on where the strings differ
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _guard(work: Awaitable[Response]) -> Response:
+    """Turn an unexpected exception into a 500 for this request only (logged once, here)."""
+    try:
+        return await work
+    except APIError:
+        raise
+    except Exception as e:
+        logger.exception("unhandled error while serving a request")
+        raise APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error") from e
+
+
+async def _log_stats(client: EngineClient, interval: float) -> None:
+    idle_logged = False
+    while True:
+        await asyncio.sleep(interval)
+        window = client.metrics.take_log_window()
+        snap = client.metrics.snapshot()
+        idle = not (window.prompt_tokens or window.generation_tokens or snap.num_running or snap.num_waiting)
+        if idle and idle_logged:
+            continue  # one line saying "idle" is enough
+        idle_logged = idle
+        logger.info(format_stats_line(window, snap))
+        spec_line = format_spec_line(window)
+        if spec_line is not None:
+            logger.info(spec_line)
+
+
+def build_app(settings: ServerSettings, client: EngineClient) -> FastAPI:
+    """The app for an engine; its lifespan starts the engine thread and stops it on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        stats_task = None
+        if settings.log_stats_interval > 0 and not settings.disable_log_stats:
+            stats_task = asyncio.create_task(_log_stats(client, settings.log_stats_interval))
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            logger.info("shutting down the engine")
+            await asyncio.to_thread(client.shutdown)
+
+    app = FastAPI(title="specserve", version=engine.__version__, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.client = client
+    serving = OpenAIServing(client, settings)
+    app.state.serving = serving
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_body_size)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.alive:
+            return JSONResponse({"status": "ok"})
+        reason = f": {client.error}" if client.error is not None else ""
+        return APIError(503, f"the engine thread is not running{reason}", code="engine_dead").response()
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": engine.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        loaded = client.core.loaded
+        return ModelList(data=[ModelCard(id=name, root=loaded.path, max_model_len=client.max_model_len)
+                               for name in client.served_model_names])
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await _guard(serving.chat(req, raw))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await _guard(serving.completions(req, raw))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        serving.resolve_model(req.model)
+        req.check()
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = serving.tokens.encode(req.prompt, add_special)
+        else:
+            assert req.messages is not None
+            ids = serving.tokens.render_chat(req.messages, req.add_generation_prompt,
+                                             req.continue_final_message, req.chat_template_kwargs)
+        strs = list(client.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        serving.resolve_model(req.model)
+        vocab = client.core.loaded.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of vocabulary (size {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=serving.tokens.decode(req.tokens, skip_special_tokens=False))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,283 @@
+"""`specserve serve [MODEL]` and `specserve prepare [MODEL]`.
+
+Flags carry vLLM's names. `--config FILE.yaml` takes the same keys (dashes or underscores; the
+speculative config as a nested mapping); flags given on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+import engine  # noqa: F401  - selects the BLAS before mlx is imported
+from server.settings import ServerSettings
+
+logger = logging.getLogger("specserve")
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
+SHUTDOWN_GRACE_S = 3.0  # in-flight requests get this long to finish after Ctrl-C / SIGTERM
+
+# (flag, settings field, argparse options). Booleans with a vLLM "--no-x" spelling use
+# BooleanOptionalAction, so both spellings exist.
+_SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("--host", "host", {}),
+    ("--port", "port", {"type": int}),
+    ("--served-model-name", "served_model_name", {"nargs": "+", "metavar": "NAME"}),
+    ("--revision", "revision", {}),
+    ("--dtype", "dtype", {"choices": ["auto", "float32", "float16", "bfloat16"]}),
+    ("--max-model-len", "max_model_len", {"type": int}),
+    ("--max-num-seqs", "max_num_seqs", {"type": int}),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int}),
+    ("--block-size", "block_size", {"type": int}),
+    ("--kv-cache-memory", "kv_cache_memory", {"metavar": "SIZE"}),
+    ("--enable-prefix-caching", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
+    ("--speculative-config", "speculative_config", {"metavar": "JSON"}),
+    ("--speculative-disable-by-batch-size", "speculative_disable_by_batch_size", {"type": int}),
+    ("--per-request-spec-decode-metrics", "per_request_spec_decode_metrics", {"choices": ["off", "summary"]}),
+    ("--async-scheduling", "async_scheduling", {"action": argparse.BooleanOptionalAction}),
+    ("--seed", "seed", {"type": int}),
+    ("--chat-template", "chat_template", {"metavar": "FILE"}),
+    ("--trust-remote-code", "trust_remote_code", {"action": "store_true"}),
+    ("--api-key", "api_key", {"metavar": "KEY"}),
+    ("--max-waiting-requests", "max_waiting_requests", {"type": int}),
+    ("--max-request-body-size", "max_request_body_size", {"metavar": "SIZE"}),
+    ("--max-n", "max_n", {"type": int}),
+    ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error", "critical"]}),
+    ("--uvicorn-log-level", "uvicorn_log_level",
+     {"choices": ["critical", "error", "warning", "info", "debug", "trace"]}),
+    ("--disable-log-requests", "disable_log_requests", {"action": "store_true"}),
+    ("--log-stats-interval", "log_stats_interval", {"type": float, "metavar": "SECONDS"}),
+    ("--disable-log-stats", "disable_log_stats", {"action": "store_true"}),
+]
+
+
+def _help(field: str) -> str:
+    info = ServerSettings.model_fields[field]
+    text = info.description or ""
+    default = info.default
+    if default is not None and default is not False and not isinstance(default, bool):
+        text += f" (default: {default})"
+    elif default is True:
+        text += " (default: on)"
+    return text.replace("%", "%%")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,prepare}")
+
+    serve = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
+        epilog=f"Every flag can also be set in --config FILE.yaml. {API_KEY_ENV} sets --api-key.")
+    # SUPPRESS: only flags actually given appear, so they can override the YAML file.
+    serve.add_argument("model", nargs="?", default=argparse.SUPPRESS,
+                       help=ServerSettings.model_fields["model"].description)
+    serve.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
+                       help="YAML file with the same keys as the flags (e.g. `max-model-len: 2048`)")
+    for flag, field, opts in _SERVE_FLAGS:
+        serve.add_argument(flag, dest=field, default=argparse.SUPPRESS, help=_help(field), **opts)
+
+    prepare = sub.add_parser("prepare", help="download / convert a model once and print where it is",
+                             description="Load MODEL once (the default model is converted into the cache "
+                                         "folder), print where it is, and exit.")
+    prepare.add_argument("model", nargs="?", default=None,
+                         help="HF folder, GGUF file or Hub id (default: SmolLM2-135M-Instruct)")
+    prepare.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    prepare.add_argument("--revision", default=None)
+    return parser
+
+
+def _normalize_key(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: invalid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    known = set(ServerSettings.model_fields)
+    out = {}
+    for key, value in data.items():
+        name = _normalize_key(str(key))
+        if name not in known:
+            raise ValueError(f"--config {path}: unknown key {key!r}")
+        out[name] = value
+    return out
+
+
+def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerSettings:
+    """File < environment (API key) < command line. Raises ValueError with a readable message."""
+    from pydantic import ValidationError
+
+    environ = dict(os.environ) if environ is None else environ
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    values: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
+    if "api_key" not in values and environ.get(API_KEY_ENV):
+        values["api_key"] = environ[API_KEY_ENV]
+    values.update(given)
+    spec = values.get("speculative_config")
+    if isinstance(spec, str):
+        try:
+            values["speculative_config"] = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+    try:
+        return ServerSettings(**values)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+                             for err in e.errors())
+        raise ValueError(problems) from None
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails at once rather than after the load."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(settings: ServerSettings) -> int:
+    import mlx.core as mx
+
+    from engine.blas import blas_info
+    from server.app import build_app
+    from server.engine_client import create_engine_client
+
+    _setup_logging(settings.log_level)
+    try:
+        sock = _bind(settings.host, settings.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, e.strerror or e)
+        return 1
+    blas = blas_info()
+    if settings.async_scheduling:
+        logger.warning("--async-scheduling is ignored: the engine schedules synchronously")
+    try:
+        client = create_engine_client(settings)
+    except (ValueError, FileNotFoundError) as e:
+        logger.error("cannot start: %s", e)
+        sock.close()
+        return 2
+    core = client.core
+    loaded = core.loaded
+    logger.info("model %s (%s), served as %s, dtype %s, max_model_len %d", loaded.name, loaded.path,
+                ", ".join(client.served_model_names), str(loaded.dtype).removeprefix("mlx.core."),
+                core.max_model_len)
+    logger.info("backend: mlx %s on %s, BLAS %s%s", mx.__version__, mx.default_device(), blas.name,
+                f" ({blas.path})" if blas.path else f" ({blas.reason})")
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", core.kv.pool.num_blocks, core.kv.block_size,
+                core.kv.pool.num_blocks * core.kv.block_size)
+    if settings.speculative_config:
+        logger.info("speculative decoding: %s", json.dumps(settings.speculative_config))
+    if settings.api_key:
+        logger.info("API key required (all endpoints but /health and /metrics)")
+    app = build_app(settings, client)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    logger.info("serving on http://%s:%d (OpenAI API at http://%s:%d/v1)", host, port, host, port)
+    config = uvicorn.Config(app, log_level=settings.uvicorn_log_level,
+                            access_log=not settings.disable_log_requests,
+                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 2)
+    server = _Server(config, on_shutdown=client.abort_all)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    logger.info("stopped")
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with two changes for a clean stop:
+
+    - after a signal, requests still running SHUTDOWN_GRACE_S later are aborted, so their clients get
+      a proper end (an error event and `data: [DONE]`) before uvicorn's own timeout cancels them;
+    - uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown (a traceback for Ctrl-C, a kill for
+      SIGTERM); we shut down the same way and then exit 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], object] | None = None) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._on_shutdown is not None:
+            asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self._on_shutdown)
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def prepare(model: str | None, dtype: str, revision: str | None) -> int:
+    from engine.models.loader import load_model
+
+    _setup_logging("info")
+    try:
+        loaded = load_model(model, dtype=dtype, revision=revision, progress=True)  # type: ignore[arg-type]
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"specserve prepare: {e}", file=sys.stderr)
+        return 1
+    print(f"{loaded.name} is ready at {loaded.path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        return prepare(args.model, args.dtype, args.revision)
+    try:
+        settings = resolve_settings(args)
+    except ValueError as e:
+        parser.exit(2, f"specserve serve: error: {e}\n")
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

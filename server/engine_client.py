@@ -1,0 +1,185 @@
+"""Bridge between asyncio handlers and the engine thread.
+
+Handlers call `EngineClient.submit(...)`, which validates and queues the requests on `EngineLoop`'s
+thread-safe inbox and returns a `RequestStream`. The engine calls our callback on ITS thread with each
+`RequestOutput`; the callback only hops it onto the handler's event loop with
+`loop.call_soon_threadsafe(queue.put_nowait, ...)`. Closing a stream before it finished aborts the
+engine work, so a client that goes away frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import engine  # noqa: F401  - selects the BLAS before mlx is imported
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loop import EngineDeadError, EngineLoop
+from engine.models.loader import LoadedModel
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.spec.config import parse_speculative_config
+from engine.stats import IterationStats
+from server.metrics import EngineSnapshot, Metrics
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineClient", "EngineDeadError", "RequestStream", "SubRequest", "create_engine_client"]
+
+
+@dataclass(slots=True)
+class SubRequest:
+    """One engine request; an HTTP request maps to one per (prompt, choice)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestStream:
+    """Async iterator of (sub-request index, RequestOutput) over one HTTP request's engine requests.
+
+    Must be closed (`close()`, or use as a context manager): unfinished engine requests are aborted.
+    """
+
+    def __init__(self, client: EngineClient, request_id: str, subs: list[SubRequest]) -> None:
+        self._client = client
+        self._queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.request_id = request_id
+        self.engine_ids = [request_id if len(subs) == 1 else f"{request_id}-{i}" for i in range(len(subs))]
+        self._pending: set[str] = set()
+        try:
+            for i, (rid, sub) in enumerate(zip(self.engine_ids, subs, strict=True)):
+                client._loop.add_request(rid, sub.prompt_token_ids, sub.params, self._callback(i))
+                self._pending.add(rid)
+                client._unfinished.add(rid)
+        except BaseException:
+            self.close()
+            raise
+
+    def _callback(self, index: int) -> Callable[[RequestOutput], None]:
+        put = self._queue.put_nowait
+        loop = self._loop
+
+        def on_output(out: RequestOutput) -> None:  # runs on the engine thread
+            with contextlib.suppress(RuntimeError):  # event loop closed: nobody is listening any more
+                loop.call_soon_threadsafe(put, (index, out))
+
+        return on_output
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._pending:
+            raise StopAsyncIteration
+        index, out = await self._queue.get()
+        if out.finished:
+            self._finished(self.engine_ids[index])
+        return index, out
+
+    def _finished(self, rid: str) -> None:
+        self._pending.discard(rid)
+        self._client._unfinished.discard(rid)
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    def close(self) -> None:
+        """Abort whatever has not finished (idempotent, never blocks)."""
+        for rid in list(self._pending):
+            self._client._loop.abort_request(rid)
+            self._finished(rid)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EngineClient:
+    """Owns the engine thread; all methods are called from the event loop's thread."""
+
+    def __init__(self, core: EngineCore, served_model_names: list[str] | None = None) -> None:
+        self.core = core
+        self.served_model_names = served_model_names or [core.loaded.name]
+        self.model_name = self.served_model_names[0]
+        spec = core.spec
+        self.metrics = Metrics(self.model_name, self.snapshot,
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        self._loop = EngineLoop(core, stats_callback=self._on_stats)
+        self._unfinished: set[str] = set()  # engine ids submitted and not yet seen finished
+
+    def _on_stats(self, stats: IterationStats) -> None:  # engine thread, after every step
+        self.metrics.on_iteration(stats)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._loop.shutdown(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._loop.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._loop.error
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def snapshot(self) -> EngineSnapshot:
+        # len() of the scheduler's list/deque is atomic: safe to read while the engine thread runs.
+        sched, pool = self.core.scheduler, self.core.kv.pool
+        return EngineSnapshot(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                              kv_free_blocks=pool.num_free, kv_total_blocks=pool.num_blocks)
+
+    def num_waiting(self) -> int:
+        """Requests queued and not running, including those still in the engine's inbox."""
+        return max(0, len(self._unfinished) - len(self.core.scheduler.running))
+
+    def abort_all(self) -> int:
+        """Abort every unfinished request (shutdown); their handlers get an "abort" output each."""
+        ids = list(self._unfinished)
+        for rid in ids:
+            self._loop.abort_request(rid)
+        if ids:
+            logger.info("aborted %d unfinished request(s)", len(ids))
+        return len(ids)
+
+    # -- requests ------------------------------------------------------------------------------
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The engine's own validation (ValueError with its message). Returns the resolved max_tokens."""
+        return self.core.check_request(prompt_token_ids, params)
+
+    def submit(self, request_id: str, subs: list[SubRequest]) -> RequestStream:
+        """Queue the sub-requests. Raises ValueError / EngineDeadError; nothing stays queued then."""
+        return RequestStream(self, request_id, subs)
+
+
+def create_engine_client(settings: ServerSettings, loaded: LoadedModel | None = None,
+                         show_progress: bool = True) -> EngineClient:
+    """Load the model (unless `loaded` is given: tests share one) and build the engine; the engine
+    thread starts with the app's lifespan. Raises ValueError for bad settings."""
+    kwargs = settings.engine_config_kwargs()
+    # Parse here so a bad config fails with its own message, not wrapped in pydantic's.
+    kwargs["speculative_config"] = parse_speculative_config(kwargs["speculative_config"])
+    config = EngineConfig(**kwargs, show_progress=show_progress)
+    core = EngineCore(config, loaded=loaded)
+    return EngineClient(core, settings.served_model_name)

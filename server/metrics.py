@@ -1,0 +1,284 @@
+"""Every Prometheus series the server exposes, with vLLM's names and `model_name` label.
+
+`Metrics` owns one private `CollectorRegistry` per app (several servers can live in one process) and
+is fed from three places:
+
+- `on_iteration(IterationStats)`: the engine's per-step stats callback, called on the ENGINE thread
+  (prometheus-client metrics are thread-safe). Token counters, latency histograms and finished
+  requests come from here. Speculative-decoding series belong in `_observe_spec`, fed from
+  `IterationStats.spec` (a `SpecDecodingStats`).
+- a snapshot callable read at scrape time for the gauges (running / waiting / KV pool), so they are
+  exact even when the engine is idle or the last event was an abort rather than a step.
+
+It also accumulates the totals behind the periodic stats log line (`take_log_window`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Bucket bounds follow vLLM's so dashboards built for it read the same.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+# The acceptance-rate gauge covers this much recent history.
+_ACCEPTANCE_WINDOW_S = 60.0
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_free_blocks: int
+    kv_total_blocks: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_free_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
+@dataclass(slots=True)
+class LogWindow:
+    """Totals since the previous stats log line."""
+
+    seconds: float
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+    spec: SpecDecodingStats | None = None
+
+
+@dataclass(slots=True)
+class _SpecWindow:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def add(self, spec: SpecDecodingStats) -> None:
+        self.drafts += spec.num_drafts
+        self.draft_tokens += spec.num_draft_tokens
+        self.accepted += spec.num_accepted_tokens
+        if len(self.per_pos) < len(spec.accepted_per_pos):
+            self.per_pos.extend([0] * (len(spec.accepted_per_pos) - len(self.per_pos)))
+        for i, n in enumerate(spec.accepted_per_pos):
+            self.per_pos[i] += n
+
+
+class Metrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
+                 num_speculative_tokens: int = 0) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._snapshot = snapshot
+        self._lock = threading.Lock()
+        self._window_start = time.monotonic()
+        self._window_prompt = 0
+        self._window_gen = 0
+        self._prefix_queries = 0  # engine counters are cumulative: remember the last seen values
+        self._prefix_hits = 0
+        self._window_prefix = (0, 0)
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str, read: Callable[[EngineSnapshot], float]) -> None:
+            Gauge(name, doc, labels, registry=reg).labels(model_name).set_function(
+                lambda: read(self._snapshot()))
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+              lambda s: s.num_running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+              lambda s: s.num_waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_usage)
+        gauge("specserve:kv_cache_free_blocks", "KV cache blocks free (cached prefixes included).",
+              lambda s: s.kv_free_blocks)
+        gauge("specserve:kv_cache_total_blocks", "KV cache blocks in the pool.", lambda s: s.kv_total_blocks)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels + (extra or []), registry=reg)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(
+            model_name)
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.").labels(model_name)
+        self.request_success = counter("vllm:request_success", "Count of finished requests.",
+                                       ["finished_reason"])
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.").labels(
+            model_name)
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.").labels(model_name)
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.").labels(
+            model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                              "seconds.", _TTFT_BUCKETS).labels(model_name)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                              "seconds.", _TPOT_BUCKETS).labels(model_name)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                             "seconds.", _LATENCY_BUCKETS).labels(model_name)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING "
+                                    "phase for request.", _LATENCY_BUCKETS).labels(model_name)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens "
+                                               "processed.", _TOKEN_BUCKETS).labels(model_name)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation "
+                                                   "tokens processed.", _TOKEN_BUCKETS).labels(model_name)
+
+        self.spec_enabled = num_speculative_tokens > 0
+        self._spec_window = _SpecWindow()
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, draft tokens, accepted)
+        if self.spec_enabled:
+            self._init_spec(num_speculative_tokens)
+
+    def _init_spec(self, k: int) -> None:
+        # vLLM's names and labels; counters get the `_total` suffix on exposition.
+        labels = ["model_name", "engine"]
+        reg, name = self.registry, self.model_name
+
+        def counter(metric: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(metric, doc, labels + (extra or []), registry=reg)
+
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.").labels(
+            name, "0")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Number of draft tokens.").labels(name, "0")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Number of accepted tokens.").labels(name, "0")
+        per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", ["position"])
+        self.spec_per_pos = [per_pos.labels(name, "0", str(i)) for i in range(k)]
+        self._per_pos_family = per_pos
+        Gauge("vllm:spec_decode_draft_acceptance_rate",
+              f"Accepted / drafted tokens over the last {_ACCEPTANCE_WINDOW_S:.0f} s.", labels,
+              registry=reg).labels(name, "0").set_function(self._recent_acceptance)
+        self.request_acceptance = Histogram(
+            "specserve:request_spec_decode_acceptance_rate",
+            "Per finished request: accepted / drafted tokens (requests that drafted).", ["model_name"],
+            buckets=_RATE_BUCKETS, registry=reg).labels(name)
+
+    def _recent_acceptance(self) -> float:
+        with self._lock:
+            cutoff = time.monotonic() - _ACCEPTANCE_WINDOW_S
+            while self._recent and self._recent[0][0] < cutoff:
+                self._recent.popleft()
+            drafted = sum(d for _, d, _ in self._recent)
+            accepted = sum(a for _, _, a in self._recent)
+        return accepted / drafted if drafted else 0.0
+
+    # -- inputs --------------------------------------------------------------------------------
+    def on_iteration(self, stats: IterationStats) -> None:
+        """Engine-thread stats callback: one call per engine step."""
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_preempted:
+            self.num_preemptions.inc(stats.num_preempted)
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for fin in stats.finished:
+            self._observe_finished(fin)
+        with self._lock:
+            dq = max(0, stats.prefix_cache_queries - self._prefix_queries)
+            dh = max(0, stats.prefix_cache_hits - self._prefix_hits)
+            self._prefix_queries, self._prefix_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+            self._window_prompt += stats.num_prompt_tokens
+            self._window_gen += stats.num_generation_tokens
+        if dq:
+            self.prefix_cache_queries.inc(dq)
+        if dh:
+            self.prefix_cache_hits.inc(dh)
+        if stats.spec is not None:
+            self._observe_spec(stats.spec)
+
+    def _observe_finished(self, fin: FinishedRequestStats) -> None:
+        self.request_success.labels(self.model_name, fin.finish_reason).inc()
+        self.e2e.observe(fin.e2e_latency)
+        self.queue_time.observe(fin.queue_time)
+        if fin.time_per_output_token is not None:
+            self.tpot.observe(fin.time_per_output_token)
+        if self.spec_enabled and fin.spec_num_draft_tokens:
+            self.request_acceptance.observe(fin.spec_num_accepted_tokens / fin.spec_num_draft_tokens)
+        self.request_prompt_tokens.observe(fin.num_prompt_tokens)
+        self.request_generation_tokens.observe(fin.num_generation_tokens)
+
+    def _observe_spec(self, spec: SpecDecodingStats) -> None:
+        if not self.spec_enabled or spec.num_drafts == 0:
+            return
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens)
+        for i, n in enumerate(spec.accepted_per_pos):
+            if i >= len(self.spec_per_pos):  # a longer draft than configured (should not happen)
+                self.spec_per_pos.append(self._per_pos_family.labels(self.model_name, "0", str(i)))
+            if n:
+                self.spec_per_pos[i].inc(n)
+        with self._lock:
+            self._spec_window.add(spec)
+            self._recent.append((time.monotonic(), spec.num_draft_tokens, spec.num_accepted_tokens))
+
+    # -- outputs -------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot()
+
+    def take_log_window(self) -> LogWindow:
+        with self._lock:
+            now = time.monotonic()
+            q0, h0 = self._window_prefix
+            spec = None
+            if self.spec_enabled:
+                w = self._spec_window
+                spec = SpecDecodingStats(w.drafts, w.draft_tokens, w.accepted, list(w.per_pos))
+                self._spec_window = _SpecWindow()
+            window = LogWindow(now - self._window_start, self._window_prompt, self._window_gen,
+                               self._prefix_queries - q0, self._prefix_hits - h0, spec)
+            self._window_start, self._window_prompt, self._window_gen = now, 0, 0
+            self._window_prefix = (self._prefix_queries, self._prefix_hits)
+        return window
+
+
+def format_stats_line(window: LogWindow, snap: EngineSnapshot) -> str:
+    secs = max(window.seconds, 1e-9)
+    hit = 100.0 * window.prefix_hits / window.prefix_queries if window.prefix_queries else 0.0
+    return (f"Avg prompt throughput: {window.prompt_tokens / secs:.1f} tokens/s, "
+            f"Avg generation throughput: {window.generation_tokens / secs:.1f} tokens/s, "
+            f"Running: {snap.num_running} reqs, Waiting: {snap.num_waiting} reqs, "
+            f"KV cache usage: {100.0 * snap.kv_usage:.1f}%, Prefix cache hit rate: {hit:.1f}%")
+
+
+def format_spec_line(window: LogWindow) -> str | None:
+    """vLLM's `SpecDecoding metrics:` line for the window, or None when nothing was drafted."""
+    spec = window.spec
+    if spec is None or spec.num_drafts == 0:
+        return None
+    secs = max(window.seconds, 1e-9)
+    per_pos = ", ".join(f"{n / spec.num_drafts:.3f}" for n in spec.accepted_per_pos)
+    rate = 100.0 * spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+    mean_len = 1 + spec.num_accepted_tokens / spec.num_drafts
+    return (f"SpecDecoding metrics: Mean acceptance length: {mean_len:.2f}, "
+            f"Accepted throughput: {spec.num_accepted_tokens / secs:.2f} tokens/s, "
+            f"Drafted throughput: {spec.num_draft_tokens / secs:.2f} tokens/s, "
+            f"Accepted: {spec.num_accepted_tokens} tokens, Drafted: {spec.num_draft_tokens} tokens, "
+            f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%")

@@ -1,0 +1,384 @@
+"""OpenAI (and vLLM-extension) request/response models.
+
+Requests forbid unknown fields (a typo must not be silently ignored). Fields OpenAI defines but this
+server does not implement are declared so they can be refused with a precise message unless they hold
+their neutral value. Cross-field rules live in `check()` and raise `APIError` naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.errors import bad_request
+
+MAX_CHOICES = 256  # prompts x n per request: bounds the work one HTTP request can queue
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk
+    include_obfuscation: bool | None = None  # OpenAI; nothing to obfuscate here
+
+
+class ContentPart(BaseModel):
+    # Not `extra="forbid"`: non-text parts are refused with a clear message in `text_of`.
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text_of(self, index: int) -> str:
+        if self.content is None:
+            if self.role != "assistant":
+                raise bad_request(f"messages[{index}].content is required for role {self.role!r}",
+                                  param=f"messages.{index}.content")
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"messages[{index}].content[{j}]: only text parts are supported "
+                                  f"(got type {part.type!r})", param=f"messages.{index}.content.{j}")
+            texts.append(part.text)
+        return "".join(texts)
+
+
+# OpenAI fields without an implementation here: accepted only with these neutral values.
+_NEUTRAL: dict[str, Any] = {
+    "logit_bias": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "suffix": lambda v: not v,
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "store": lambda v: not v,
+}
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by chat and completions (OpenAI + vLLM sampling extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # accepted with neutral values only (see _NEUTRAL)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check(self, max_n: int) -> None:
+        for name, neutral in _NEUTRAL.items():
+            if name in type(self).model_fields and not neutral(getattr(self, name)):
+                raise bad_request(f"`{name}` is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("`stream_options` is only allowed when `stream` is true",
+                              param="stream_options")
+        if not 1 <= self.n <= max_n:
+            raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
+        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
+            raise bad_request("stop strings must not be empty", param="stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # vLLM extensions for the chat template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted with neutral values only
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def check(self, max_n: int) -> None:
+        super().check(max_n)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise bad_request("`max_tokens` and `max_completion_tokens` disagree; send one of them",
+                              param="max_completion_tokens")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("`continue_final_message` needs `add_generation_prompt` false",
+                              param="continue_final_message")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Engine `logprobs`: None (off) or the number of alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM extension
+
+    def check(self, max_n: int) -> None:
+        super().check(max_n)
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("`best_of` is not supported (it must equal n)", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("`echo` with `logprobs` is not supported: prompt logprobs are not computed",
+                              param="echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    @property
+    def output_limit(self) -> int | None:
+        # OpenAI's legacy default for completions is 16 tokens.
+        return 16 if self.max_tokens is None else self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class SpecDecodeUsage(_Response):
+    """Per-request speculative decoding summary (`--per-request-spec-decode-metrics summary`)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    spec_decode: SpecDecodeUsage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatMessageOut(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string / token id that ended it
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "specserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -1,0 +1,466 @@
+"""`/v1/chat/completions` and `/v1/completions`: request -> engine requests -> OpenAI responses.
+
+One HTTP request becomes one engine request per (prompt, choice); their outputs arrive through one
+`RequestStream`. Streaming answers are Server-Sent Events ending with `data: [DONE]`; every exit path
+(finished, client gone, error) closes the stream, which aborts unfinished engine work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams, TokenLogprob
+from server.engine_client import EngineClient, EngineDeadError, RequestStream, SubRequest
+from server.errors import APIError, bad_request, error_body
+from server.protocol import (
+    MAX_CHOICES,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    SpecDecodeUsage,
+    TopLogprob,
+    Usage,
+    now,
+)
+from server.settings import ServerSettings
+from server.tokens import TokenText
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_CHAT_NAMES = {"logprobs": "top_logprobs"}  # engine field -> chat request field
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else _MIN_LOGPROB
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that always watches for the client going away (whatever the ASGI spec version)
+    and runs `on_close` however it ends, even if the body never started streaming."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream_then_stop() -> None:
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+@dataclass(slots=True)
+class _Choice:
+    """What one engine request produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted tokens
+
+    def add(self, out: RequestOutput) -> None:
+        if out.new_text:
+            self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.spec = (out.spec_num_drafts, out.spec_num_draft_tokens, out.spec_num_accepted_tokens)
+        if out.finished:
+            self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
+
+
+def _raise_if_failed(choice: _Choice) -> None:
+    if choice.finish_reason == "error":
+        raise APIError(500, f"the engine failed on this request: {choice.error}", code="engine_error")
+    if choice.finish_reason == "abort":
+        raise APIError(503, f"the request was aborted: {choice.error or 'engine shutting down'}",
+                       code="aborted")
+
+
+def _usage(choices: list[_Choice], n: int, with_spec: bool = False) -> Usage:
+    # Prompt tokens count once per prompt (not per choice), as OpenAI / vLLM report them.
+    firsts = choices[::n]
+    prompt = sum(c.num_prompt_tokens for c in firsts)
+    completion = sum(c.num_output_tokens for c in choices)
+    cached = sum(c.num_cached_tokens for c in firsts)
+    spec = None
+    if with_spec:
+        drafts, drafted, accepted = (sum(c.spec[i] for c in choices) for i in range(3))
+        spec = SpecDecodeUsage(num_drafts=drafts, num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                               acceptance_rate=accepted / drafted if drafted else None,
+                               mean_acceptance_length=1 + accepted / drafts if drafts else None)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), spec_decode=spec)
+
+
+def _param_of(message: str, renames: dict[str, str] | None = None) -> str | None:
+    """The request field an engine validation message is about (it starts with the field name);
+    `renames` maps engine names to the endpoint's (chat calls `logprobs` `top_logprobs`)."""
+    word = message.split(" ", 1)[0]
+    if word in _SAMPLING_FIELDS:
+        return (renames or {}).get(word, word)
+    if message.startswith(("the prompt", "token id")):
+        return "prompt"
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.tokens = TokenText(client.tokenizer)
+        self.log_requests = not settings.disable_log_requests
+        self.spec_metrics = settings.per_request_spec_decode_metrics == "summary"
+
+    # -- shared steps --------------------------------------------------------------------------
+    def resolve_model(self, name: str | None) -> str:
+        if name is None or name in self.client.served_model_names:
+            return name or self.client.model_name
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    @staticmethod
+    def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        p = SamplingParams(max_tokens=max_tokens, stop=req.stop_list(),
+                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                           min_tokens=req.min_tokens, logprobs=logprobs,
+                           include_stop_str_in_output=req.include_stop_str_in_output,
+                           skip_special_tokens=req.skip_special_tokens)
+        # Unset request fields keep the engine's defaults (OpenAI's: temperature 1, top_p 1, ...).
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                setattr(p, name, value)
+        return p
+
+    def prepare(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                renames: dict[str, str] | None = None) -> list[SubRequest]:
+        """Validate every prompt with the engine and expand to one sub-request per choice."""
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(f"too many choices: {len(prompts)} prompts x n={n} > {MAX_CHOICES}", param="n")
+        max_len = self.client.max_model_len
+        for ids in prompts:
+            if params.max_tokens is not None and isinstance(params.max_tokens, int) and (
+                    len(ids) + params.max_tokens > max_len):
+                raise bad_request(
+                    f"This model's maximum context length is {max_len} tokens. However, you requested "
+                    f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
+                    f"{params.max_tokens} in the completion). Please reduce the length of the messages "
+                    f"or completion.", param=(renames or {}).get("max_tokens", "max_tokens"),
+                    code="context_length_exceeded")
+            try:
+                self.client.check(ids, params)
+            except ValueError as e:
+                raise bad_request(str(e), param=_param_of(str(e), renames)) from e
+        subs = []
+        for ids in prompts:
+            for j in range(n):
+                p = params
+                if n > 1 and params.seed is not None:
+                    # distinct but reproducible choices, as vLLM derives child seeds (kept in 64 bits)
+                    seed = params.seed + j
+                    p = dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
+                subs.append(SubRequest(ids, p))
+        return subs
+
+    def submit(self, request_id: str, subs: list[SubRequest]) -> RequestStream:
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.client.num_waiting() >= limit:
+            raise APIError(503, f"the server is overloaded: {self.client.num_waiting()} requests are waiting "
+                                f"(--max-waiting-requests {limit}); retry later",
+                           code="server_overloaded", headers={"Retry-After": "1"})
+        try:
+            stream = self.client.submit(request_id, subs)
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not running: {e}", code="engine_dead") from e
+        except ValueError as e:
+            raise bad_request(str(e), param=_param_of(str(e))) from e
+        if self.log_requests:
+            p = subs[0].params
+            logger.info("request %s: %d engine request(s), prompt tokens %s, max_tokens=%s, "
+                        "temperature=%s, seed=%s", request_id, len(subs),
+                        sorted({len(s.prompt_token_ids) for s in subs}), p.max_tokens, p.temperature, p.seed)
+        return stream
+
+    def _log_done(self, request_id: str, choices: list[_Choice], t0: float, outcome: str = "") -> None:
+        if self.log_requests:
+            reasons = sorted({str(c.finish_reason) for c in choices})
+            logger.info("request %s finished%s: %s, %d output tokens, %.2fs", request_id, outcome,
+                        "/".join(reasons), sum(c.num_output_tokens for c in choices), time.monotonic() - t0)
+
+    async def _unless_disconnected(self, raw: Request, stream: RequestStream,
+                                   work: Awaitable[Response]) -> Response:
+        """Run a non-streaming request; if the client goes away first, cancel it (aborting its work)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_disconnect(raw))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)  # nobody is listening; the status only shows in logs
+        finally:
+            watcher.cancel()
+            task.cancel()  # no-op once done; on our own cancellation (shutdown) it stops the work
+            stream.close()  # even if the task never started, the engine requests are aborted
+
+    async def _collect(self, stream: RequestStream, num: int, t0: float) -> list[_Choice]:
+        choices = [_Choice() for _ in range(num)]
+        try:
+            async for index, out in stream:
+                choices[index].add(out)
+            for c in choices:
+                _raise_if_failed(c)
+        except APIError as e:
+            self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
+            raise
+        finally:
+            stream.close()
+        return choices
+
+    # -- logprobs ------------------------------------------------------------------------------
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs:
+        t = self.tokens
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(
+                token=t.text(lp.token_id), logprob=_finite(lp.logprob), bytes=t.bytes(lp.token_id),
+                top_logprobs=[TopLogprob(token=t.text(i), logprob=_finite(v), bytes=t.bytes(i))
+                              for i, v in lp.top])
+            for lp in lps])
+
+    def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> tuple[CompletionLogprobs, int]:
+        """Legacy completions shape; `offset` is where this text starts in the choice's text."""
+        t = self.tokens
+        out = CompletionLogprobs()
+        for lp in lps:
+            text = t.text(lp.token_id)
+            top = {t.text(i): _finite(v) for i, v in lp.top}
+            top.setdefault(text, _finite(lp.logprob))  # OpenAI: the sampled token is always listed
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(lp.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out, offset
+
+    # -- chat ----------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.resolve_model(req.model)
+        req.check(self.settings.max_n)
+        prompt = self.tokens.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                         req.chat_template_kwargs)
+        params = self.sampling_params(req, req.output_limit, req.num_logprobs)
+        subs = self.prepare([prompt], params, req.n, _CHAT_NAMES if req.max_completion_tokens is None
+                            else {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"})
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.submit(request_id, subs)
+        if req.stream:
+            return EventStreamResponse(self._chat_events(req, stream, model, len(subs)), stream.close)
+        return await self._unless_disconnected(raw, stream, self._chat_full(req, stream, model, len(subs)))
+
+    async def _chat_full(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
+                         num: int) -> Response:
+        t0 = time.monotonic()
+        choices = await self._collect(stream, num, t0)
+        resp = ChatCompletionResponse(
+            id=stream.request_id, model=model, usage=_usage(choices, req.n, self.spec_metrics),
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)),
+                                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                     for i, c in enumerate(choices)])
+        self._log_done(stream.request_id, choices, t0)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _chat_events(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
+                           num: int) -> AsyncIterator[str]:
+        t0 = time.monotonic()
+        created = now()
+        choices = [_Choice() for _ in range(num)]
+
+        def chunk(choice_list: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model,
+                                           choices=choice_list, usage=usage).model_dump_json())
+
+        try:
+            for i in range(num):
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for index, out in stream:
+                c = choices[index]
+                c.add(out)
+                if out.finished:
+                    _raise_if_failed(c)
+                logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
+                if not (out.new_text or logprobs or out.finished):
+                    continue  # text held back (a possible stop string): nothing to say yet
+                yield chunk([ChatChunkChoice(
+                    index=index, delta=DeltaMessage(content=out.new_text or None), logprobs=logprobs,
+                    finish_reason=c.finish_reason if out.finished else None,
+                    stop_reason=c.stop_reason if out.finished else None)],
+                    _usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None)
+            if req.include_usage:
+                yield chunk([], _usage(choices, req.n, self.spec_metrics))
+            self._log_done(stream.request_id, choices, t0)
+        except APIError as e:
+            yield sse(_json(e.body()))
+            self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
+        except Exception as e:  # noqa: BLE001 - fail this stream only, in the OpenAI shape
+            logger.exception("error while streaming %s", stream.request_id)
+            yield sse(_json(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
+                                       code="internal_error")))
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+    # -- completions ---------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.resolve_model(req.model)
+        req.check(self.settings.max_n)
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append(self.tokens.encode(p, req.add_special_tokens))
+                texts.append(p)
+            else:
+                prompts.append(list(p))
+                texts.append(self.tokens.decode(p, skip_special_tokens=False) if req.echo else "")
+        params = self.sampling_params(req, req.output_limit, req.logprobs)
+        subs = self.prepare(prompts, params, req.n)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = self.submit(request_id, subs)
+        echoes = [texts[i // req.n] if req.echo else "" for i in range(len(subs))]
+        if req.stream:
+            return EventStreamResponse(self._completion_events(req, stream, model, echoes), stream.close)
+        return await self._unless_disconnected(raw, stream, self._completion_full(req, stream, model, echoes))
+
+    async def _completion_full(self, req: CompletionRequest, stream: RequestStream, model: str,
+                               echoes: list[str]) -> Response:
+        t0 = time.monotonic()
+        choices = await self._collect(stream, len(echoes), t0)
+        out = []
+        for i, (c, echo) in enumerate(zip(choices, echoes, strict=True)):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self.completion_logprobs(c.logprobs, len(echo))[0]
+            out.append(CompletionChoice(index=i, text=echo + "".join(c.text), logprobs=logprobs,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = CompletionResponse(id=stream.request_id, model=model, choices=out,
+                                  usage=_usage(choices, req.n, self.spec_metrics))
+        self._log_done(stream.request_id, choices, t0)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _completion_events(self, req: CompletionRequest, stream: RequestStream, model: str,
+                                 echoes: list[str]) -> AsyncIterator[str]:
+        t0 = time.monotonic()
+        created = now()
+        choices = [_Choice() for _ in echoes]
+        offsets = [len(e) for e in echoes]
+
+        def chunk(choice_list: list[CompletionChoice], usage: Usage | None = None) -> str:
+            return sse(CompletionResponse(id=stream.request_id, created=created, model=model,
+                                          choices=choice_list, usage=usage).model_dump_json())
+
+        try:
+            for i, echo in enumerate(echoes):
+                if echo:
+                    yield chunk([CompletionChoice(index=i, text=echo)])
+            async for index, out in stream:
+                c = choices[index]
+                c.add(out)
+                if out.finished:
+                    _raise_if_failed(c)
+                logprobs = None
+                if req.logprobs is not None and out.new_logprobs:
+                    logprobs, offsets[index] = self.completion_logprobs(out.new_logprobs, offsets[index])
+                if not (out.new_text or logprobs or out.finished):
+                    continue
+                yield chunk([CompletionChoice(
+                    index=index, text=out.new_text, logprobs=logprobs,
+                    finish_reason=c.finish_reason if out.finished else None,
+                    stop_reason=c.stop_reason if out.finished else None)],
+                    _usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None)
+            if req.include_usage:
+                yield chunk([], _usage(choices, req.n, self.spec_metrics))
+            self._log_done(stream.request_id, choices, t0)
+        except APIError as e:
+            yield sse(_json(e.body()))
+            self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
+        except Exception as e:  # noqa: BLE001
+            logger.exception("error while streaming %s", stream.request_id)
+            yield sse(_json(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
+                                       code="internal_error")))
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+
+def _json(obj: object) -> str:
+    import json
+
+    return json.dumps(obj, ensure_ascii=False)

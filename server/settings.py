@@ -1,0 +1,141 @@
+"""Server settings: one pydantic model fed by the CLI flags and `--config FILE.yaml` alike.
+
+The defaults here are the single source of truth: the CLI reads them for `--help`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
+
+
+def parse_size(value: int | str) -> int:
+    """"16MiB", "512kB", 4096 -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 16MiB")
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"cannot parse size {value!r} (examples: 1048576, 512KiB, 16MiB)")
+    return int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()]
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # -- model and engine (vLLM's flag names) --------------------------------------------------
+    model: str | None = Field(
+        None, description="HF folder, GGUF file or Hub id (default: SmolLM2-135M-Instruct)")
+    served_model_name: list[str] | None = Field(
+        None, description="name(s) clients may use in `model`; the first is reported "
+                          "(default: the model's name)")
+    revision: str | None = Field(None, description="Hub revision of the model")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights/activations dtype (auto: float32 on CPU, the checkpoint's on GPU)")
+    max_model_len: int | None = Field(
+        None, ge=16, description="context length (default: the model's, at most 32768)")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one engine step")
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block (a power of two)")
+    kv_cache_memory: str | float = Field(
+        0.1, description="KV cache size: bytes (2GiB, 512MiB) or a fraction of available memory")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="speculative decoding config as JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}'")
+    speculative_disable_by_batch_size: int | None = Field(
+        None, ge=1, description="turn speculation off while more requests than this are running "
+                                "(same as disable_by_batch_size in --speculative-config)")
+    per_request_spec_decode_metrics: Literal["off", "summary"] = Field(
+        "off", description="`summary`: add per-request draft/accept counts to `usage.spec_decode`")
+    async_scheduling: bool = Field(
+        False, description="accepted for vLLM compatibility; the engine is synchronous")
+    seed: int | None = Field(None, description="seed of the sampling key stream for unseeded requests")
+    chat_template: str | None = Field(
+        None, description="chat template FILE (or inline Jinja text) overriding the model's")
+    trust_remote_code: bool = Field(
+        False, description="accepted for vLLM compatibility (no remote code is run)")
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    api_key: str | None = Field(
+        None, description="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
+                          "(also read from SPECSERVE_API_KEY)")
+    max_waiting_requests: int | None = Field(
+        None, ge=0, description="answer 503 while this many requests wait for a slot (default: no limit)")
+    max_request_body_size: int = Field(
+        16 * 2**20, ge=1, description="largest request body in bytes, or with a unit (16MiB); 413 above")
+    max_n: int = Field(16, ge=1, description="largest `n` (choices per prompt) accepted")
+
+    # -- logging -------------------------------------------------------------------------------
+    log_level: LogLevel = Field("info", description="log level of specserve")
+    uvicorn_log_level: UvicornLogLevel = Field("info", description="log level of uvicorn")
+    disable_log_requests: bool = Field(False, description="do not log each request")
+    log_stats_interval: float = Field(10.0, ge=0, description="seconds between stats log lines (0: off)")
+    disable_log_stats: bool = Field(False, description="no periodic stats log lines")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        if v is not None and not v:
+            raise ValueError("served_model_name needs at least one name")
+        return v
+
+    @field_validator("max_request_body_size", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return parse_size(v) if isinstance(v, (int, str)) else v
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory(cls, v: str | float) -> str | float:
+        from engine.config import parse_memory
+
+        parse_memory(v)
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        """A FILE is read here, so the engine always gets template text; inline Jinja passes through."""
+        if v is None or "{{" in v or "{%" in v:
+            return v
+        from pathlib import Path
+
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat template file {v!r} does not exist")
+        return path.read_text()
+
+    def _spec_config(self) -> dict[str, Any] | None:
+        spec = self.speculative_config
+        if self.speculative_disable_by_batch_size is None:
+            return spec
+        if spec is None:
+            raise ValueError("--speculative-disable-by-batch-size needs --speculative-config")
+        return {**spec, "disable_by_batch_size": self.speculative_disable_by_batch_size}
+
+    def engine_config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `engine.config.EngineConfig`."""
+        return {
+            "model": self.model, "revision": self.revision, "dtype": self.dtype,
+            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
+            "kv_cache_memory": self.kv_cache_memory, "enable_prefix_caching": self.enable_prefix_caching,
+            "seed": self.seed, "chat_template": self.chat_template,
+            "trust_remote_code": self.trust_remote_code,
+            "speculative_config": self._spec_config(),
+        }

@@ -1,0 +1,209 @@
+"""`specserve serve` / `specserve prepare`: flags, --config YAML, the real CLI in a subprocess (README
+examples run as written, clean SIGTERM shutdown)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cli import build_parser, main, resolve_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECSERVE = str(Path(sys.executable).parent / "specserve")
+
+ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+               "--max-num-batched-tokens", "--block-size", "--dtype", "--kv-cache-memory",
+               "--speculative-config", "--no-async-scheduling", "--api-key", "--seed", "--chat-template",
+               "--log-level", "--uvicorn-log-level", "--disable-log-requests", "--config",
+               "--max-waiting-requests", "--log-stats-interval", "--max-request-body-size"]
+
+
+def parse(*argv: str, environ: dict[str, str] | None = None):  # noqa: ANN201 - ServerSettings
+    return resolve_settings(build_parser().parse_args(["serve", *argv]), environ or {})
+
+
+def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ISSUE_FLAGS:
+        assert flag in text, flag
+    assert "(default: 127.0.0.1)" in text and "(default: 8000)" in text
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    options = [a for a in serve._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 25
+    for action in options:  # every option is described, not just named
+        assert action.help and len(action.help) > 10, action.option_strings
+
+
+def test_defaults_flags_and_env() -> None:
+    s = parse()
+    assert (s.host, s.port, s.model, s.api_key) == ("127.0.0.1", 8000, None, None)
+    assert s.max_waiting_requests is None and s.max_request_body_size == 16 * 2**20
+    s = parse("some/model", "--port", "9001", "--served-model-name", "a", "b", "--max-model-len", "1024",
+              "--no-async-scheduling", "--no-enable-prefix-caching", "--kv-cache-memory", "256MiB",
+              "--max-request-body-size", "1MiB", environ={"SPECSERVE_API_KEY": "from-env"})
+    assert (s.model, s.port, s.served_model_name, s.max_model_len) == ("some/model", 9001, ["a", "b"], 1024)
+    assert s.async_scheduling is False and s.enable_prefix_caching is False
+    assert s.api_key == "from-env" and s.max_request_body_size == 2**20
+    assert parse("--api-key", "flag", environ={"SPECSERVE_API_KEY": "env"}).api_key == "flag"
+
+
+def test_config_file_with_flag_override(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"port: 8100\nmax-model-len: 1024\nserved_model_name: smol\nchat-template: {template}\n"
+                   "speculative-config:\n  method: ngram\n  num_speculative_tokens: 3\n")
+    s = parse("--config", str(cfg), "--port", "8200")
+    assert s.port == 8200 and s.max_model_len == 1024 and s.served_model_name == ["smol"]
+    assert s.chat_template == template.read_text()
+    assert s.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    from engine.config import EngineConfig
+
+    engine_cfg = EngineConfig(**s.engine_config_kwargs())  # the engine parses the nested mapping
+    assert engine_cfg.speculative_config.method == "ngram"
+    assert engine_cfg.speculative_config.num_speculative_tokens == 3
+    s = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    assert s.speculative_config["num_speculative_tokens"] == 2
+
+
+@pytest.mark.parametrize(("yaml_text", "argv", "message"), [
+    ("bogus-key: 1\n", [], "unknown key 'bogus-key'"),
+    ("port: not-a-port\n", [], "port"),
+    ("- a list\n", [], "mapping"),
+    ("", ["--speculative-config", "{nope"], "not valid JSON"),
+    ("", ["--chat-template", "/no/such/template.jinja"], "does not exist"),
+    ("", ["--kv-cache-memory", "lots"], "kv_cache_memory"),
+])
+def test_invalid_settings_are_reported(tmp_path: Path, yaml_text: str, argv: list[str], message: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse("--config", str(cfg), *argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _readme_examples(port: int) -> tuple[str, str]:
+    """The curl and OpenAI SDK examples of README's "## HTTP API" section, pointed at `port`."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## HTTP API"):]
+    section = section[: section.index("\n## ", 5)]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, flags=re.DOTALL)
+    curl = next(code for lang, code in blocks if lang == "bash" and "curl " in code)
+    sdk = next(code for lang, code in blocks if lang == "python" and "from openai import OpenAI" in code)
+    return tuple(code.replace("localhost:8000", f"127.0.0.1:{port}") for code in (curl, sdk))  # type: ignore
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([SPECSERVE, "serve", "--port", str(port), "--max-model-len", "2048",
+                                 "--kv-cache-memory", "512MiB", "--log-stats-interval", "1"],
+                                stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={**os.environ, "SPECSERVE_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield proc, port, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serve_readme_examples_and_sigterm(serve_process: tuple[subprocess.Popen, int, Path]) -> None:
+    proc, port, log = serve_process
+    curl, sdk = _readme_examples(port)
+    out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True)
+    answer = json.loads(out.stdout)
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+    assert answer["model"] == "SmolLM2-135M-Instruct" and answer["usage"]["total_tokens"] > 0
+    out = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "Paris" in lines[0] and "".join(lines[1:]).strip()  # the chat answer, then the streamed text
+    busy = subprocess.run([SPECSERVE, "serve", "--port", str(port)], capture_output=True, text=True,
+                          timeout=60)
+    assert busy.returncode == 1 and "cannot listen" in busy.stderr  # before loading any model
+
+    # SIGTERM while a stream is running: it gets a few seconds, then ends cleanly with an error event.
+    events: list[str] = []
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until = time.monotonic() + 30
+    while not events and time.monotonic() < wait_until:
+        time.sleep(0.05)
+    time.sleep(1.2)  # let a stats line be logged
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    reader.join(10)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "aborted"
+    assert len(events) > 5
+    text = log.read_text()
+    for expected in ("model SmolLM2-135M-Instruct", "dtype float32", "BLAS", "KV cache:",
+                     "blocks x 16 tokens", f"http://127.0.0.1:{port}", "Avg generation throughput",
+                     "shutting down the engine", "stopped"):
+        assert expected in text, (expected, text)
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_cli_ctrl_c_shuts_down_cleanly(serve_process: tuple[subprocess.Popen, int, Path]) -> None:
+    proc, _, log = serve_process
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    assert "stopped" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_cli_rejects_bad_speculative_config() -> None:
+    bad = subprocess.run([SPECSERVE, "serve", "--speculative-config", "{not json"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--speculative-config is not valid JSON" in bad.stderr
+    bad = subprocess.run([SPECSERVE, "serve", "--speculative-config", '{"method": "ngram"}', "--port", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "num_speculative_tokens" in bad.stdout + bad.stderr
+
+
+def test_prepare_prints_the_model_folder() -> None:
+    from engine.models.loader import default_model_folder
+
+    out = subprocess.run([SPECSERVE, "prepare"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert str(default_model_folder(progress=False)) in out.stdout
+    assert "SmolLM2-135M-Instruct" in out.stdout

@@ -1,0 +1,174 @@
+"""/metrics (Prometheus text, vLLM names) and aborting the requests of clients that go away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import RunningServer
+
+MODEL = "SmolLM2-135M-Instruct"
+LABEL = {"model_name": MODEL}
+
+REQUIRED = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "specserve:kv_cache_free_blocks": "gauge",
+    "specserve:kv_cache_total_blocks": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of one /metrics scrape (parsed by prometheus_client)."""
+    resp = httpx.get(url + "/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted({**LABEL, **labels}.items()))), 0.0)
+
+
+def wait_for(check: Callable[[], bool], timeout: float) -> float:
+    """Seconds until check() held; fails after `timeout`."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"condition not met within {timeout}s")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_metrics_parse_with_vllm_names(server_url: str) -> None:
+    resp = httpx.get(server_url + "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    for name, kind in REQUIRED.items():
+        assert name in families, name
+        assert families[name].type == kind, (name, families[name].type)
+    samples = scrape(server_url)
+    total = value(samples, "specserve:kv_cache_total_blocks")
+    assert total > 0 and value(samples, "specserve:kv_cache_free_blocks") == total
+    assert value(samples, "vllm:kv_cache_usage_perc") == 0.0
+    assert value(samples, "vllm:num_requests_running") == 0.0
+
+
+def test_counters_move_by_known_amounts(server: RunningServer) -> None:
+    before = scrape(server.url)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        a = c.post("/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                            "max_tokens": 7, "temperature": 0, "ignore_eos": True}).json()
+        messages = [{"role": "user", "content": "hi"}]
+        b = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 24,
+                                                 "temperature": 0}).json()
+    prompt = a["usage"]["prompt_tokens"] + b["usage"]["prompt_tokens"]
+    gen = a["usage"]["completion_tokens"] + b["usage"]["completion_tokens"]
+    assert a["choices"][0]["finish_reason"] == "length"
+    reasons = [a["choices"][0]["finish_reason"], b["choices"][0]["finish_reason"]]
+
+    def delta(name: str, **labels: str) -> float:
+        return value(scrape(server.url), name, **labels) - value(before, name, **labels)
+
+    # The engine reports a step's stats right after its outputs: allow it a moment.
+    wait_for(lambda: delta("vllm:e2e_request_latency_seconds_count") >= 2, timeout=5)
+    after = scrape(server.url)
+
+    def d(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert d("vllm:prompt_tokens_total") == prompt
+    assert d("vllm:generation_tokens_total") == gen
+    for reason in ("stop", "length"):
+        assert d("vllm:request_success_total", finished_reason=reason) == reasons.count(reason)
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:time_per_output_token_seconds"):
+        assert d(hist + "_count") == 2, hist
+        assert d(hist + "_sum") >= 0
+    assert d("vllm:e2e_request_latency_seconds_sum") > d("vllm:time_to_first_token_seconds_sum") > 0
+    assert value(after, "vllm:num_requests_running") == 0
+
+
+async def _open_streams(url: str, n: int, body: dict, read_chunks: int) -> None:
+    """Start n streaming requests, read a few chunks of each, then drop every connection at once."""
+    clients = [httpx.AsyncClient(base_url=url, timeout=60) for _ in range(n)]
+    streams = []
+    try:
+        for c in clients:
+            streams.append(await c.send(c.build_request("POST", "/v1/completions", json=body), stream=True))
+
+        async def read(resp: httpx.Response) -> int:
+            got = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    got += 1
+                    if got == read_chunks:
+                        break
+            return got
+
+        assert await asyncio.gather(*(read(s) for s in streams)) == [read_chunks] * n
+    finally:
+        for s in streams:
+            await s.aclose()
+        for c in clients:
+            await c.aclose()
+
+
+def test_client_disconnect_aborts_and_frees_kv(server: RunningServer) -> None:
+    before = scrape(server.url)
+    body = {"model": MODEL, "prompt": "Tell me a very long story about dragons.", "max_tokens": 1000,
+            "temperature": 0.8, "ignore_eos": True, "stream": True}
+    asyncio.run(_open_streams(server.url, 4, body, read_chunks=3))
+
+    def drained() -> bool:
+        s = scrape(server.url)
+        return (value(s, "vllm:num_requests_running") == 0 and value(s, "vllm:num_requests_waiting") == 0
+                and value(s, "specserve:kv_cache_free_blocks") == value(s, "specserve:kv_cache_total_blocks"))
+
+    elapsed = wait_for(drained, timeout=1.0)
+    assert elapsed < 1.0
+    assert server.idle()
+    after = scrape(server.url)
+    assert (value(after, "vllm:request_success_total", finished_reason="abort")
+            - value(before, "vllm:request_success_total", finished_reason="abort")) == 4
+    # generated far fewer than the 4000 tokens asked for
+    assert value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total") < 200
+
+
+def test_non_streaming_client_timeout_aborts(server: RunningServer) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    wait_for(server.idle, timeout=1.5)
+    assert value(scrape(server.url), "vllm:num_requests_running") == 0
+
+
+def test_engine_gauges_track_a_running_request(server: RunningServer) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:  # a plain loop: closing a generator over `lines` would close the connection
+            if line.startswith("data: "):
+                break
+        s = scrape(server.url)
+        assert value(s, "vllm:num_requests_running") == 1
+        assert value(s, "specserve:kv_cache_free_blocks") < value(s, "specserve:kv_cache_total_blocks")
+        assert 0 < value(s, "vllm:kv_cache_usage_perc") < 1
+    wait_for(server.idle, timeout=1.5)
