@@ -163,6 +163,8 @@ class EngineCore:
                     self._finished_backlog.append(self._finished_stats(req))
                     outs.append(self._output(req, [], "", None))
             return outs, self.take_finished_backlog()
+        # Before update(): requests finishing this step still count their last verification.
+        spec_stats = self._spec_stats(so, res.num_accepted_drafts) if self.spec is not None else None
         updates = self.scheduler.update(so, res)
         lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
 
@@ -171,7 +173,7 @@ class EngineCore:
         stats.num_preempted = len(so.preempted_ids)
         stats.finished, self._finished_backlog = self._finished_backlog, []
         if self.spec is not None:
-            stats.spec = self._spec_stats(so, res.num_accepted_drafts)
+            stats.spec = spec_stats
             for rid in so.preempted_ids:
                 if self.proposer is not None:
                     self.proposer.release(rid, finished=False)
