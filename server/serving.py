@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -339,30 +340,46 @@ class OpenAIServing:
 
     async def _chat_events(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
                            num: int) -> AsyncIterator[str]:
-        t0 = time.monotonic()
         created = now()
-        choices = [_Choice() for _ in range(num)]
 
         def chunk(choice_list: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model,
                                            choices=choice_list, usage=usage).model_dump_json())
 
+        def delta(index: int, out: RequestOutput, c: _Choice) -> ChatChunkChoice | None:
+            logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
+            if not (out.new_text or logprobs or out.finished):
+                return None  # text held back (a possible stop string): nothing to say yet
+            return ChatChunkChoice(
+                index=index, delta=DeltaMessage(content=out.new_text or None), logprobs=logprobs,
+                finish_reason=c.finish_reason if out.finished else None,
+                stop_reason=c.stop_reason if out.finished else None)
+
+        opening = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                   for i in range(num)]
+        async for event in self._events(req, stream, num, chunk, opening, delta):
+            yield event
+
+    async def _events(self, req: ChatCompletionRequest | CompletionRequest, stream: RequestStream, num: int,
+                      chunk: Callable[..., str], opening: list[str],
+                      delta: Callable[[int, RequestOutput, _Choice], Any]) -> AsyncIterator[str]:
+        """The SSE stream shared by both endpoints: `delta` turns an engine output into the endpoint's
+        chunk choice (None: nothing to send yet)."""
+        t0 = time.monotonic()
+        choices = [_Choice() for _ in range(num)]
         try:
-            for i in range(num):
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for event in opening:
+                yield event
             async for index, out in stream:
                 c = choices[index]
                 c.add(out)
                 if out.finished:
                     _raise_if_failed(c)
-                logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
-                if not (out.new_text or logprobs or out.finished):
-                    continue  # text held back (a possible stop string): nothing to say yet
-                yield chunk([ChatChunkChoice(
-                    index=index, delta=DeltaMessage(content=out.new_text or None), logprobs=logprobs,
-                    finish_reason=c.finish_reason if out.finished else None,
-                    stop_reason=c.stop_reason if out.finished else None)],
-                    _usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None)
+                choice = delta(index, out, c)
+                if choice is None:
+                    continue
+                usage = _usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None
+                yield chunk([choice], usage)
             if req.include_usage:
                 yield chunk([], _usage(choices, req.n, self.spec_metrics))
             self._log_done(stream.request_id, choices, t0)
@@ -417,48 +434,26 @@ class OpenAIServing:
 
     async def _completion_events(self, req: CompletionRequest, stream: RequestStream, model: str,
                                  echoes: list[str]) -> AsyncIterator[str]:
-        t0 = time.monotonic()
         created = now()
-        choices = [_Choice() for _ in echoes]
         offsets = [len(e) for e in echoes]
 
         def chunk(choice_list: list[CompletionChoice], usage: Usage | None = None) -> str:
             return sse(CompletionResponse(id=stream.request_id, created=created, model=model,
                                           choices=choice_list, usage=usage).model_dump_json())
 
-        try:
-            for i, echo in enumerate(echoes):
-                if echo:
-                    yield chunk([CompletionChoice(index=i, text=echo)])
-            async for index, out in stream:
-                c = choices[index]
-                c.add(out)
-                if out.finished:
-                    _raise_if_failed(c)
-                logprobs = None
-                if req.logprobs is not None and out.new_logprobs:
-                    logprobs, offsets[index] = self.completion_logprobs(out.new_logprobs, offsets[index])
-                if not (out.new_text or logprobs or out.finished):
-                    continue
-                yield chunk([CompletionChoice(
-                    index=index, text=out.new_text, logprobs=logprobs,
-                    finish_reason=c.finish_reason if out.finished else None,
-                    stop_reason=c.stop_reason if out.finished else None)],
-                    _usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None)
-            if req.include_usage:
-                yield chunk([], _usage(choices, req.n, self.spec_metrics))
-            self._log_done(stream.request_id, choices, t0)
-        except APIError as e:
-            yield sse(_json(e.body()))
-            self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
-        except Exception as e:  # noqa: BLE001
-            logger.exception("error while streaming %s", stream.request_id)
-            yield sse(_json(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
-                                       code="internal_error")))
-        finally:
-            stream.close()
-        yield SSE_DONE
+        def delta(index: int, out: RequestOutput, c: _Choice) -> CompletionChoice | None:
+            logprobs = None
+            if req.logprobs is not None and out.new_logprobs:
+                logprobs, offsets[index] = self.completion_logprobs(out.new_logprobs, offsets[index])
+            if not (out.new_text or logprobs or out.finished):
+                return None
+            return CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
+                                    finish_reason=c.finish_reason if out.finished else None,
+                                    stop_reason=c.stop_reason if out.finished else None)
 
+        opening = [chunk([CompletionChoice(index=i, text=echo)]) for i, echo in enumerate(echoes) if echo]
+        async for event in self._events(req, stream, len(echoes), chunk, opening, delta):
+            yield event
 
 def _json(obj: object) -> str:
     import json
