@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ class CompletionOutput:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    time_to_first_token: float | None = None  # seconds from submission
+    e2e_latency: float | None = None
 
 
 class LLM:
@@ -66,15 +69,19 @@ class LLM:
             results[rid] = CompletionOutput(request_id=rid, prompt_token_ids=ids)
             order.append(rid)
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
+        t0 = time.perf_counter()
         while self.core.has_unfinished():
             outputs, _ = self.core.step()
             for out in outputs:
                 r = results[out.request_id]
+                if out.new_token_ids and r.time_to_first_token is None:
+                    r.time_to_first_token = time.perf_counter() - t0
                 r.token_ids.extend(out.new_token_ids)
                 r.text += out.new_text
                 if out.new_logprobs:
                     r.logprobs.extend(out.new_logprobs)
                 if out.finished:
+                    r.e2e_latency = time.perf_counter() - t0
                     r.finish_reason, r.stop_reason, r.error = out.finish_reason, out.stop_reason, out.error
                     r.num_cached_tokens = out.num_cached_tokens
                     r.spec_num_drafts = out.spec_num_drafts
