@@ -58,7 +58,8 @@ class AttentionGroup:
     block_tables: mx.array  # [R, NB] int32 (padding: block 0, masked out)
     num_rows: int
     max_len: int
-    # Pure decode (one token per request, batch order): queries and outputs need no gather.
+    # The group is the whole batch in order and needs no padding (pure decode: L == 1, or a single
+    # request: R == 1): queries and outputs are reshapes, not gathers.
     identity: bool = False
     _masks: dict[int | None, mx.array] = field(default_factory=dict)
 
@@ -84,6 +85,12 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     out_index: mx.array  # [T] rows of the concatenated group outputs, back in batch order
     num_tokens: int
+    start_pos: int  # position of the first token (what RoPE needs when there is a single request)
+
+    @property
+    def single_request(self) -> bool:
+        """One request this step: the model can run in its usual [1, T, hidden] layout."""
+        return len(self.groups) == 1 and self.groups[0].num_rows == 1
 
 
 def build_metadata(
@@ -122,11 +129,12 @@ def build_metadata(
         groups.append(AttentionGroup(
             q_index=mx.array(q_index, dtype=mx.int32), q_pos=mx.array(q_pos, dtype=mx.int32),
             block_tables=mx.array(tables, dtype=mx.int32), num_rows=len(members), max_len=L,
-            identity=L == 1 and len(members) == len(chunks)))
+            identity=len(members) == len(chunks) and (L == 1 or len(members) == 1)))
         base += len(members) * L
     return AttentionMetadata(
         positions=mx.array(positions, dtype=mx.int32), slot_mapping=mx.array(slots, dtype=mx.int32),
-        groups=groups, out_index=mx.array(out_index, dtype=mx.int32), num_tokens=len(positions))
+        groups=groups, out_index=mx.array(out_index, dtype=mx.int32), num_tokens=len(positions),
+        start_pos=chunks[0][0] if chunks else 0)
 
 
 def paged_attention_reference(
@@ -142,7 +150,10 @@ def paged_attention_reference(
     for g in meta.groups:
         R, L = g.num_rows, g.max_len
         ctx = g.block_tables.shape[1] * bs
-        qg = q[:, :, None, :] if g.identity else q[g.q_index].transpose(0, 2, 1, 3)  # [R, H, L, D]
+        if g.identity:
+            qg = q[:, :, None, :] if L == 1 else q.transpose(1, 0, 2)[None]  # [R, H, L, D]
+        else:
+            qg = q[g.q_index].transpose(0, 2, 1, 3)
         kg = k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)  # [R, Hkv, C, D]
         vg = v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(bs, window))

@@ -2,7 +2,9 @@
 
 The whole step is one flat batch of T tokens laid out as `[T, 1, hidden]`: every linear layer sees
 the same matmul as `[1, T, hidden]`, while RoPE gets a per-token `offset` array of shape [T] (MLX's
-rope takes one offset per batch row). Each layer's `cache` is a `PagedLayerCache`: mlx-lm's
+rope takes one offset per batch row). A step with a single request (single-stream decode, draft
+verification, one prefill chunk) uses the model's usual `[1, T, hidden]` layout with an integer
+offset instead, which is cheaper for RoPE and attention. Each layer's `cache` is a `PagedLayerCache`: mlx-lm's
 attention calls `rope(x, offset=cache.offset)`, `cache.update_and_fetch(k, v)` (we write the new
 rows into their slots) and the model module's `scaled_dot_product_attention(..., cache=cache)`,
 which we route to paged attention. No model code is forked.
@@ -31,25 +33,34 @@ class PagedLayerCache:
         self.attention_fn: Callable[..., mx.array] = paged_attention_reference
 
     @property
-    def offset(self) -> mx.array:
+    def offset(self) -> mx.array | int:
         assert self.meta is not None
+        if self.meta.single_request:
+            return self.meta.start_pos
         return self.meta.positions  # [T]: each token is its own "batch row"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        # keys/values: [T, Hkv, 1, D]
+        # keys/values: [T, Hkv, 1, D], or [1, Hkv, T, D] for a single request
         assert self.meta is not None
-        t, hkv, _, d = keys.shape
-        self.kv.write(self.layer, self.meta.slot_mapping, keys.reshape(t, hkv, d), values.reshape(t, hkv, d))
+        if self.meta.single_request:
+            k, v = keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)
+        else:
+            t, hkv, _, d = keys.shape
+            k, v = keys.reshape(t, hkv, d), values.reshape(t, hkv, d)
+        self.kv.write(self.layer, self.meta.slot_mapping, k, v)
         return keys, values
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # masks are built from the metadata inside paged attention
 
     def attention(self, queries: mx.array, scale: float) -> mx.array:
-        # queries: [T, H, 1, D] -> [T, H, 1, D]
+        # queries: [T, H, 1, D] -> [T, H, 1, D] (single request: [1, H, T, D] -> [1, H, T, D])
         assert self.meta is not None
-        t, h, _, d = queries.shape
         kb, vb = self.kv.blocks(self.layer)
+        if self.meta.single_request:
+            q = queries[0].transpose(1, 0, 2)  # [T, H, D]
+            return self.attention_fn(q, kb, vb, self.meta, scale, self.window).transpose(1, 0, 2)[None]
+        t, h, _, d = queries.shape
         out = self.attention_fn(queries.reshape(t, h, d), kb, vb, self.meta, scale, self.window)
         return out.reshape(t, h, 1, d)
 
@@ -114,6 +125,8 @@ def kv_shape(model: nn.Module) -> tuple[int, int]:
 
 def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache]) -> mx.array:
     """tokens: [T] -> final-norm hidden states [T, hidden]."""
+    if caches[0].meta is not None and caches[0].meta.single_request:
+        return model.model(tokens[None, :], cache=caches)[0]  # [1, T, hidden] -> [T, hidden]
     h = model.model(tokens[:, None], cache=caches)  # [T, 1, hidden]
     return h[:, 0, :]
 
