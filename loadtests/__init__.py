@@ -1,0 +1,1 @@
+"""Load tests for OpenAI-compatible servers: `python -m loadtests {run,compare,plot,suite}`."""

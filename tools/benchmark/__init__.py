@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m tools.benchmark.spec_benchmark` (offline speculative decoding)."""
