@@ -8,6 +8,7 @@ Definitions follow vLLM's benchmark_serving so numbers compare across servers:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ class RequestResult:
     chunks: int = 0  # text chunks received
     usage_reported: bool = False
     finish_reason: str | None = None
+    retries: int = 0  # connection attempts dropped before any response, then retried
 
     @property
     def tpot(self) -> float | None:
@@ -53,6 +55,7 @@ class RequestOptions:
     max_tokens: int = 64
     ignore_eos: bool = False
     timeout_s: float = 600.0
+    max_retries: int = 2  # the openai SDK's default
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,46 +101,76 @@ def _finish_reason(obj: dict[str, Any]) -> str | None:
 async def stream_request(client: httpx.AsyncClient, base_url: str, item: WorkItem, opts: RequestOptions,
                          run_t0: float) -> RequestResult:
     path, body = build_payload(item, opts)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # latencies count from the first attempt: what the user waits for
     res = RequestResult(item_id=item.id, temperature=item.temperature, start=t0 - run_t0)
-    last = t0
+    for attempt in range(opts.max_retries + 1):
+        try:
+            await _attempt(client, base_url.rstrip("/") + path, body, opts, res, t0)
+            return res
+        except _NoResponse as e:
+            # Like the openai SDK: a connection dropped before any response (e.g. the full accept queue
+            # of a server that takes few connections at once) is retried with backoff; later errors not.
+            res.error = str(e)
+            if attempt < opts.max_retries:
+                res.retries += 1
+                await asyncio.sleep(0.5 * 2**attempt)
+    return res
+
+
+class _NoResponse(Exception):
+    pass
+
+
+async def _attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], opts: RequestOptions,
+                   res: RequestResult, t0: float) -> None:
+    res.error = None
     try:
-        async with client.stream("POST", base_url.rstrip("/") + path, json=body,
-                                 timeout=opts.timeout_s) as resp:
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode(errors="replace")[:300]
-                res.error = f"HTTP {resp.status_code}: {detail}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = str(obj["error"])[:300]
-                    return res
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                    res.prompt_tokens = usage.get("prompt_tokens")
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    res.usage_reported = True
-                res.finish_reason = _finish_reason(obj) or res.finish_reason
-                if _chunk_text(obj):
-                    if res.ttft is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.chunks += 1
-        res.e2e = time.perf_counter() - t0
-        if not res.usage_reported:
-            res.output_tokens = res.chunks  # servers without usage: one token per chunk, approximately
-        res.ok = res.ttft is not None or res.output_tokens == 0
-        if not res.ok:
-            res.error = "no text received"
+        cm = client.stream("POST", url, json=body, timeout=opts.timeout_s)
+        try:
+            resp = await cm.__aenter__()
+        except httpx.TransportError as e:
+            raise _NoResponse(f"{type(e).__name__}: {e}"[:300]) from None
+        try:
+            await _read_stream(resp, res, t0)
+        finally:
+            await cm.__aexit__(None, None, None)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"[:300]
-    return res
+
+
+async def _read_stream(resp: httpx.Response, res: RequestResult, t0: float) -> None:
+    if resp.status_code != 200:
+        detail = (await resp.aread()).decode(errors="replace")[:300]
+        res.error = f"HTTP {resp.status_code}: {detail}"
+        return
+    last = t0
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        now = time.perf_counter()
+        obj = json.loads(data)
+        if "error" in obj:
+            res.error = str(obj["error"])[:300]
+            return
+        if obj.get("usage"):
+            usage = obj["usage"]
+            res.prompt_tokens = usage.get("prompt_tokens")
+            res.output_tokens = int(usage.get("completion_tokens") or 0)
+            res.usage_reported = True
+        res.finish_reason = _finish_reason(obj) or res.finish_reason
+        if _chunk_text(obj):
+            if res.ttft is None:
+                res.ttft = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
+            res.chunks += 1
+    res.e2e = time.perf_counter() - t0
+    if not res.usage_reported:
+        res.output_tokens = res.chunks  # servers without usage: one token per chunk, approximately
+    res.ok = res.ttft is not None or res.output_tokens == 0
+    if not res.ok:
+        res.error = "no text received"

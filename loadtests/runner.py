@@ -74,6 +74,7 @@ def summarize(records: list[dict[str, Any]], duration: float) -> dict[str, Any]:
         "itl_s": dist([x for r in ok for x in r["itl"]]),
         "e2e_s": dist([r["e2e"] for r in ok if r["e2e"] is not None]),
         "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+        "retries": sum(r.get("retries", 0) for r in records),
     }
     greedy = [r["tpot"] for r in ok if r["temperature"] == 0 and r["tpot"] is not None]
     sampled = [r["tpot"] for r in ok if r["temperature"] > 0 and r["tpot"] is not None]

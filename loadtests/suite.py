@@ -108,10 +108,25 @@ def results_markdown(doc: dict[str, Any]) -> str:
                     f"{_f(lvl['e2e_s']['p50'], '.2f')} | {_f(lvl['e2e_s']['p99'], '.2f')} | "
                     f"{_f(spec.get('acceptance_rate'), '.2f')} | "
                     f"{_f(spec.get('mean_acceptance_length'), '.2f')} |")
+        lines += _connection_notes(runs, wl)
         lines.append("")
         lines += _per_position(runs, wl)
     lines += _mlxlm_ratios(runs, cfg)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _connection_notes(runs: list[dict[str, Any]], wl: str) -> list[str]:
+    notes = []
+    for run in runs:
+        for lvl in run["levels"] if run["workload"] == wl else []:
+            if lvl.get("failed") or lvl.get("retries"):
+                errors = f" ({'; '.join(lvl['errors'])})" if lvl.get("errors") else ""
+                notes.append(f"{run['label']} at c={lvl['concurrency']}: {lvl.get('retries', 0)} retries, "
+                             f"{lvl.get('failed', 0)} failed{errors}")
+    if not notes:
+        return []
+    return ["", "Connections dropped before any response were retried like the openai SDK does (twice, "
+            "0.5 s then 1 s back-off; latencies count from the first attempt): " + "; ".join(notes) + "."]
 
 
 def _short_error(msg: str) -> str:
