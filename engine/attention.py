@@ -7,7 +7,9 @@ slot writes update it in place (MLX donates a buffer whose only owner is the sca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import mlx.core as mx
 
@@ -137,6 +139,41 @@ def build_metadata(
         start_pos=chunks[0][0] if chunks else 0)
 
 
+def group_attention_reference(
+    q: mx.array,  # [T, H, D]
+    k_blocks: mx.array,  # [num_blocks, block_size, Hkv, D]
+    v_blocks: mx.array,
+    g: AttentionGroup,
+    scale: float,
+    window: int | None = None,
+) -> mx.array:  # [R * L, H, D]
+    """One group: gather its blocks into contiguous keys/values and run MLX's fused attention."""
+    _, bs, hkv, d = k_blocks.shape
+    R, L = g.num_rows, g.max_len
+    ctx = g.block_tables.shape[1] * bs
+    if g.identity:
+        qg = q[:, :, None, :] if L == 1 else q.transpose(1, 0, 2)[None]  # [R, H, L, D]
+    else:
+        qg = q[g.q_index].transpose(0, 2, 1, 3)
+    kg = k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)  # [R, Hkv, C, D]
+    vg = v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)
+    o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(bs, window))
+    return o.transpose(0, 2, 1, 3).reshape(R * L, q.shape[1], d)
+
+
+GroupAttention = Callable[[mx.array, mx.array, mx.array, AttentionGroup, float, "int | None"], mx.array]
+
+
+def assemble_groups(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, meta: AttentionMetadata,
+                    scale: float, window: int | None, group_fn: GroupAttention) -> mx.array:
+    """Run each group and put the rows back in batch order ([T, H, D])."""
+    outs = [group_fn(q, k_blocks, v_blocks, g, scale, window) for g in meta.groups]
+    if len(outs) == 1 and meta.groups[0].identity:
+        return outs[0]
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out[meta.out_index]
+
+
 def paged_attention_reference(
     q: mx.array,  # [T, H, D]
     k_blocks: mx.array,  # [num_blocks, block_size, Hkv, D]
@@ -145,20 +182,25 @@ def paged_attention_reference(
     scale: float,
     window: int | None = None,
 ) -> mx.array:  # [T, H, D]
-    _, bs, hkv, d = k_blocks.shape
-    outs = []
-    for g in meta.groups:
-        R, L = g.num_rows, g.max_len
-        ctx = g.block_tables.shape[1] * bs
-        if g.identity:
-            qg = q[:, :, None, :] if L == 1 else q.transpose(1, 0, 2)[None]  # [R, H, L, D]
-        else:
-            qg = q[g.q_index].transpose(0, 2, 1, 3)
-        kg = k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)  # [R, Hkv, C, D]
-        vg = v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3)
-        o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(bs, window))
-        outs.append(o.transpose(0, 2, 1, 3).reshape(R * L, q.shape[1], d))
-    if len(outs) == 1 and meta.groups[0].identity:
-        return outs[0]
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    return out[meta.out_index]
+    return assemble_groups(q, k_blocks, v_blocks, meta, scale, window, group_attention_reference)
+
+
+AttentionBackend = Literal["auto", "metal", "reference"]
+
+
+def select_attention(backend: AttentionBackend) -> tuple[Callable[..., mx.array], str]:
+    """The attention function for `--attention-backend`, and a label for the start-up log.
+
+    `auto` picks the Metal kernels when MLX has a Metal device and the reference path otherwise;
+    `metal` without one is a start-up error, not a silent fallback."""
+    if backend not in ("auto", "metal", "reference"):
+        raise ValueError(f"attention_backend must be auto, metal or reference, not {backend!r}")
+    if backend == "reference" or (backend == "auto" and not mx.metal.is_available()):
+        why = "forced" if backend == "reference" else "no Metal device"
+        return paged_attention_reference, f"reference (MLX gather + fused SDPA; {why})"
+    if not mx.metal.is_available():
+        raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
+                         "here); use auto or reference")
+    from metal_kernels.ops import paged_attention_metal
+
+    return paged_attention_metal, "metal (paged_attention_decode kernel; prefill chunks on the gather path)"

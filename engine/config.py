@@ -65,6 +65,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | float | int = Field(
         0.1, description="bytes ('2GiB') or fraction of available memory")
     enable_prefix_caching: bool = True
+    # Paged attention: Metal kernels where MLX has an Apple GPU, the gather + SDPA path elsewhere.
+    attention_backend: Literal["auto", "metal", "reference"] = "auto"
     seed: int | None = None
     chat_template: str | None = None  # template text, overriding the model's
     trust_remote_code: bool = False

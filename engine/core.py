@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.attention import PagedKVCache
+from engine.attention import PagedKVCache, select_attention
 from engine.config import EngineConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.kv.block_manager import KVCacheManager
@@ -63,7 +63,9 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
-        self.runner = ModelRunner(model, self.kv_cache)
+        attention_fn, attention_label = select_attention(config.attention_backend)
+        logger.info("attention backend: %s", attention_label)
+        self.runner = ModelRunner(model, self.kv_cache, attention_fn)
         self.proposer: Proposer | None = None
         self.backoff = DraftBackoff()
         self.spec_max_len = self.max_model_len

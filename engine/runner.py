@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention import PagedKVCache, build_metadata
+from engine.attention import PagedKVCache, build_metadata, paged_attention_reference
 from engine.models import adapter
 from engine.sampling import RowState, sample
 from engine.scheduler import RunnerOutput, SchedulerOutput
@@ -13,12 +15,15 @@ from engine.spec.verify import verify_greedy
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: PagedKVCache) -> None:
+    def __init__(self, model: nn.Module, kv: PagedKVCache,
+                 attention_fn: Callable[..., mx.array] = paged_attention_reference) -> None:
         self.model = model
         self.kv = kv
         adapter.install(model)
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
+        for c in self.caches:
+            c.attention_fn = attention_fn
 
     def forward_chunks(self, chunks: list[tuple[list[int], int, list[int], int]]) -> mx.array:
         """chunks: per request (token_ids, start_pos, block_table, num_logits), in batch order.

@@ -50,6 +50,8 @@ class ServerSettings(BaseModel):
     kv_cache_memory: str | float = Field(
         0.1, description="KV cache size: bytes (2GiB, 512MiB) or a fraction of available memory")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    attention_backend: Literal["auto", "metal", "reference"] = Field(
+        "auto", description="paged attention: Metal kernels (Apple GPUs), the MLX reference path, or auto")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding config as JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}'")
@@ -135,6 +137,7 @@ class ServerSettings(BaseModel):
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory, "enable_prefix_caching": self.enable_prefix_caching,
+            "attention_backend": self.attention_backend,
             "seed": self.seed, "chat_template": self.chat_template,
             "trust_remote_code": self.trust_remote_code,
             "speculative_config": self._spec_config(),

@@ -1,0 +1,173 @@
+"""Python wrappers over the Metal kernels in `shaders/` (JIT through `mx.fast.metal_kernel`).
+
+Launch parameters are planned by plain functions (`plan_decode`, `group_rows`) that the NumPy
+emulation in `emulate.py` shares, so the index arithmetic checked on machines without Metal is the
+arithmetic the shader runs with.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.attention import AttentionGroup, AttentionMetadata, assemble_groups, group_attention_reference
+
+SHADERS = Path(__file__).with_name("shaders")
+LANES = 32  # one SIMD group per (row, head, partition)
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+# Contexts longer than this are split into partitions of SPLIT_PARTITION keys plus a reduce launch,
+# so a long sequence is spread over more SIMD groups than heads x rows.
+SPLIT_THRESHOLD = 1024
+SPLIT_PARTITION = 512
+# Groups of at most this many query tokens per request (decode, draft verification) use the decode
+# kernel; longer prefill chunks use the gather path (see README: a tiled prefill kernel is not done).
+DECODE_MAX_QUERY_LEN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    num_rows: int
+    num_heads: int
+    head_dim: int
+    block_size: int
+    partition_size: int
+    num_partitions: int
+
+    @property
+    def split(self) -> bool:
+        return self.num_partitions > 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (LANES * self.num_partitions, self.num_heads, self.num_rows)
+
+    @property
+    def threadgroup(self) -> tuple[int, int, int]:
+        return (LANES, 1, 1)
+
+    @property
+    def reduce_grid(self) -> tuple[int, int, int]:
+        return (self.head_dim, self.num_heads, self.num_rows)
+
+    @property
+    def reduce_threadgroup(self) -> tuple[int, int, int]:
+        return (min(self.head_dim, 256), 1, 1)
+
+
+def plan_decode(num_rows: int, num_heads: int, head_dim: int, block_size: int, max_ctx: int,
+                partition_size: int | None = None) -> DecodeLaunch:
+    """Launch shape for `max_ctx` keys at most per row (a partition size forces the split variant)."""
+    if head_dim % LANES:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of {LANES}")
+    if partition_size is None:
+        partition_size = SPLIT_PARTITION if max_ctx > SPLIT_THRESHOLD else max(max_ctx, 1)
+    num_partitions = max(1, -(-max_ctx // partition_size))
+    return DecodeLaunch(num_rows, num_heads, head_dim, block_size, partition_size, num_partitions)
+
+
+def group_rows(g: AttentionGroup) -> tuple[mx.array, mx.array]:
+    """Per query row of a padded group ([R, L] -> R * L rows): block-table row and visible keys.
+    Padding rows repeat a valid query and are dropped by the caller's out_index."""
+    seq = mx.repeat(mx.arange(g.num_rows, dtype=mx.int32), g.max_len)
+    ctx = g.q_pos.reshape(-1) + 1
+    return seq, ctx
+
+
+def _source(name: str, tail: str | None = None) -> str:
+    text = (SHADERS / f"{name}.metal").read_text()
+    if tail is None:
+        return text
+    body, tails = text.split("// ---- write: split ----\n")
+    split_tail, direct_tail = tails.split("// ---- write: direct ----\n")
+    return body + (split_tail if tail == "split" else direct_tail)
+
+
+@functools.cache
+def _kernels() -> dict[str, object]:
+    fk = mx.fast.metal_kernel
+    inputs = ["q", "k_cache", "v_cache", "block_tables", "q_seq", "q_ctx", "params"]
+    return {
+        "decode_split": fk(name="specserve_paged_attention_decode_split", input_names=inputs,
+                           output_names=["part_acc", "part_max", "part_sum"],
+                           source=_source("paged_attention_decode", "split")),
+        "decode_direct": fk(name="specserve_paged_attention_decode", input_names=inputs,
+                            output_names=["out"], source=_source("paged_attention_decode", "direct")),
+        "reduce": fk(name="specserve_paged_attention_reduce",
+                     input_names=["part_acc", "part_max", "part_sum"], output_names=["out"],
+                     source=_source("paged_attention_reduce")),
+        "cache": fk(name="specserve_reshape_and_cache",
+                    input_names=["key", "value", "key_cache", "value_cache", "slot_to_token"],
+                    output_names=["key_cache_out", "value_cache_out"], source=_source("reshape_and_cache")),
+    }
+
+
+def paged_attention_decode(q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+                           q_seq: mx.array, q_ctx: mx.array, block_size: int, scale: float,
+                           softcap: float = 0.0, window: int | None = None, max_ctx: int | None = None,
+                           partition_size: int | None = None) -> mx.array:
+    """q [R, H, D]; caches [num_slots, Hkv, D]; block_tables [S, max_blocks]; q_seq/q_ctx [R].
+    Returns [R, H, D] in q's dtype."""
+    R, H, D = q.shape
+    bs = block_size
+    launch = plan_decode(R, H, D, bs, max_ctx or block_tables.shape[1] * bs, partition_size)
+    params = mx.array([scale, softcap, float(window or 0), float(launch.num_partitions)], dtype=mx.float32)
+    template = [("T", q.dtype), ("HEAD_DIM", D), ("BLOCK_SIZE", bs),
+                ("PARTITION_SIZE", launch.partition_size)]
+    args = [q, k_cache, v_cache, block_tables.astype(mx.int32), q_seq.astype(mx.int32),
+            q_ctx.astype(mx.int32), params]
+    k = _kernels()
+    if not launch.split:
+        return k["decode_direct"](inputs=args, template=template, grid=launch.grid,  # type: ignore[operator]
+                                  threadgroup=launch.threadgroup, output_shapes=[(R, H, D)],
+                                  output_dtypes=[q.dtype])[0]
+    P = launch.num_partitions
+    acc, mmax, msum = k["decode_split"](  # type: ignore[operator]
+        inputs=args, template=template, grid=launch.grid, threadgroup=launch.threadgroup,
+        output_shapes=[(R, H, P, D), (R, H, P), (R, H, P)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    return k["reduce"](inputs=[acc, mmax, msum], template=[("T", q.dtype), ("HEAD_DIM", D)],  # type: ignore[operator]
+                       grid=launch.reduce_grid, threadgroup=launch.reduce_threadgroup,
+                       output_shapes=[(R, H, D)], output_dtypes=[q.dtype])[0]
+
+
+def slot_to_token(slot_mapping: mx.array, num_slots: int) -> mx.array:
+    """Inverse of slot_mapping ([T] slots -> [num_slots] token index or -1)."""
+    inv = mx.full((num_slots,), -1, dtype=mx.int32)
+    inv[slot_mapping] = mx.arange(slot_mapping.shape[0], dtype=mx.int32)
+    return inv
+
+
+def reshape_and_cache(key: mx.array, value: mx.array, key_cache: mx.array, value_cache: mx.array,
+                      slot_mapping: mx.array) -> tuple[mx.array, mx.array]:
+    """key/value [T, Hkv, D] into caches [num_slots, Hkv, D]; returns the updated caches."""
+    n = key_cache.size
+    out = _kernels()["cache"](  # type: ignore[operator]
+        inputs=[key.astype(key_cache.dtype), value.astype(value_cache.dtype), key_cache, value_cache,
+                slot_to_token(slot_mapping, key_cache.shape[0])],
+        template=[("HEAD_DIM", key_cache.shape[2])], grid=(n, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[key_cache.shape, value_cache.shape],
+        output_dtypes=[key_cache.dtype, value_cache.dtype])
+    return out[0], out[1]
+
+
+def group_attention_metal(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, g: AttentionGroup,
+                          scale: float, window: int | None = None) -> mx.array:
+    """The engine's per-group attention on Metal: decode/verification groups go to the kernel (no
+    gathered copy of the blocks), prefill chunks to the gather path."""
+    nb, bs, hkv, d = k_blocks.shape
+    if g.max_len > DECODE_MAX_QUERY_LEN or d not in HEAD_DIMS:
+        return group_attention_reference(q, k_blocks, v_blocks, g, scale, window)
+    rows = q if g.identity else q[g.q_index.reshape(-1)]  # identity: already [R * L, H, D] in order
+    seq, ctx = group_rows(g)
+    k_flat, v_flat = k_blocks.reshape(nb * bs, hkv, d), v_blocks.reshape(nb * bs, hkv, d)
+    return paged_attention_decode(rows, k_flat, v_flat, g.block_tables, seq, ctx, bs, scale,
+                                  window=window, max_ctx=g.block_tables.shape[1] * bs)
+
+
+def paged_attention_metal(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, meta: AttentionMetadata,
+                          scale: float, window: int | None = None) -> mx.array:
+    return assemble_groups(q, k_blocks, v_blocks, meta, scale, window, group_attention_metal)

@@ -1,0 +1,253 @@
+"""metal_kernels/: index math checked everywhere (NumPy emulation), kernels checked on Apple GPUs.
+
+The emulation walks the shaders' launch grids with their index formulas; here it is compared with the
+engine's reference attention (MLX gather + fused SDPA) through the engine's own metadata. The
+`metal` tests run the real kernels and skip, with a reason shown in the summary, where MLX has no
+Metal device (Linux, CI). On a Mac: `pytest -m metal tests/test_metal_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention import (
+    AttentionGroup,
+    PagedKVCache,
+    assemble_groups,
+    build_metadata,
+    paged_attention_reference,
+    select_attention,
+)
+from metal_kernels import emulate
+from metal_kernels.ops import BLOCK_SIZES, HEAD_DIMS, group_rows, plan_decode, slot_to_token
+
+NO_METAL = not mx.metal.is_available()
+needs_metal = pytest.mark.skipif(NO_METAL, reason="no Metal device (mx.metal.is_available() is False): "
+                                 "kernel parity runs on Apple Silicon with `pytest -m metal`")
+
+
+def _scenario(seed: int, bs: int, d: int, lens: list[tuple[int, int]], num_heads: int = 4,
+              num_kv_heads: int = 2, dtype: mx.Dtype = mx.float32):
+    """lens: per request (context before this step, query tokens this step). Random block tables
+    drawn from a shuffled pool, random cache contents, random queries."""
+    rng = random.Random(seed)
+    need = sum(-(-(c + n) // bs) for c, n in lens)
+    num_blocks = need + 5
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    chunks = []
+    for c, n in lens:
+        nb = -(-(c + n) // bs)
+        table, pool = pool[:nb], pool[nb:]
+        chunks.append((c, n, table))
+    meta = build_metadata(chunks, bs)
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    shape = (num_blocks, bs, num_kv_heads, d)
+    kb = mx.random.normal(shape, key=k1).astype(dtype)
+    vb = mx.random.normal(shape, key=k2).astype(dtype)
+    q = mx.random.normal((meta.num_tokens, num_heads, d), key=k3).astype(dtype)
+    return q, kb, vb, meta, chunks
+
+
+def _emulated_group(softcap: float = 0.0, partition_size: int | None = None):
+    def group_fn(q, kb, vb, g: AttentionGroup, scale, window):
+        nb, bs, hkv, d = kb.shape
+        rows = q if g.identity else q[g.q_index.reshape(-1)]
+        seq, ctx = group_rows(g)
+        max_ctx = g.block_tables.shape[1] * bs
+        launch = plan_decode(rows.shape[0], rows.shape[1], d, bs, max_ctx, partition_size)
+        out = emulate.paged_attention_decode(
+            np.array(rows.astype(mx.float32)), np.array(kb.reshape(nb * bs, hkv, d).astype(mx.float32)),
+            np.array(vb.reshape(nb * bs, hkv, d).astype(mx.float32)), np.array(g.block_tables),
+            np.array(seq), np.array(ctx), launch, scale, softcap, window or 0)
+        assert not np.isnan(out).any(), "an output element was never written"
+        return mx.array(out)
+    return group_fn
+
+
+def _dense_reference(q, kb, vb, chunks, scale, softcap=0.0, window=0):
+    """Independent NumPy attention: per query token, gather its keys through the block table."""
+    q, kb, vb = (np.array(a.astype(mx.float32)) for a in (q, kb, vb))
+    bs, hkv = kb.shape[1], kb.shape[2]
+    group = q.shape[1] // hkv
+    out, t = np.zeros_like(q), 0
+    for c, n, table in chunks:
+        for j in range(n):
+            pos = c + j
+            lo = max(0, pos + 1 - window) if window else 0
+            idx = [(table[p // bs], p % bs) for p in range(lo, pos + 1)]
+            keys = np.stack([kb[b, o] for b, o in idx])  # [C, Hkv, D]
+            vals = np.stack([vb[b, o] for b, o in idx])
+            for h in range(q.shape[1]):
+                s = keys[:, h // group] @ q[t, h] * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                w = np.exp(s - s.max())
+                out[t, h] = (w / w.sum()) @ vals[:, h // group]
+            t += 1
+    return out
+
+
+# Decode (1 token), verification (K+1 tokens), contexts ending exactly on and just past block edges.
+CASES = [
+    [(0, 1)],
+    [(7, 1), (8, 1), (9, 1), (30, 1)],
+    [(15, 5), (16, 1), (3, 4)],
+    [(31, 1), (32, 1), (33, 3), (64, 2), (1, 1)],
+]
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_emulated_decode_matches_reference(bs: int, d: int, case: int) -> None:
+    q, kb, vb, meta, _ = _scenario(case * 100 + bs + d, bs, d, CASES[case])
+    scale = d ** -0.5
+    ref = paged_attention_reference(q, kb, vb, meta, scale)
+    emu = assemble_groups(q, kb, vb, meta, scale, None, _emulated_group())
+    np.testing.assert_allclose(np.array(emu), np.array(ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [4, 8, 20])
+def test_emulated_sliding_window_matches_reference(window: int) -> None:
+    q, kb, vb, meta, _ = _scenario(window, 8, 64, [(30, 1), (5, 3), (19, 2)])
+    ref = paged_attention_reference(q, kb, vb, meta, 0.125, window)
+    emu = assemble_groups(q, kb, vb, meta, 0.125, window, _emulated_group())
+    np.testing.assert_allclose(np.array(emu), np.array(ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("partition_size", [8, 16, 48])
+def test_emulated_split_kv_equals_single_pass(partition_size: int) -> None:
+    # Long enough for several partitions, with one row whose context ends inside the first one.
+    q, kb, vb, meta, chunks = _scenario(7, 16, 128, [(100, 1), (3, 2), (70, 4)], num_heads=8, num_kv_heads=2)
+    scale = 128 ** -0.5
+    launch = plan_decode(meta.groups[0].num_rows * meta.groups[0].max_len, 8, 128, 16, 112, partition_size)
+    assert launch.split and launch.num_partitions == -(-112 // partition_size)
+    split = assemble_groups(q, kb, vb, meta, scale, None, _emulated_group(partition_size=partition_size))
+    single = assemble_groups(q, kb, vb, meta, scale, None, _emulated_group())
+    np.testing.assert_allclose(np.array(split), np.array(single), rtol=2e-5, atol=2e-5)
+    dense = _dense_reference(q, kb, vb, chunks, scale)
+    np.testing.assert_allclose(np.array(split), dense, rtol=2e-4, atol=2e-4)
+
+
+def test_emulated_softcap_matches_dense_reference() -> None:
+    q, kb, vb, meta, chunks = _scenario(3, 8, 64, [(12, 1), (40, 3)])
+    q = q * 4  # large scores, so the cap changes the result
+    scale, cap = 0.125, 5.0
+    emu = assemble_groups(q, kb, vb, meta, scale, 6, _emulated_group(softcap=cap, partition_size=16))
+    ref = _dense_reference(q, kb, vb, chunks, scale, cap, 6)
+    np.testing.assert_allclose(np.array(emu), ref, rtol=2e-4, atol=2e-4)
+    uncapped = _dense_reference(q, kb, vb, chunks, scale, 0.0, 6)
+    assert np.abs(ref - uncapped).max() > 1e-2  # the case does exercise the cap
+
+
+def test_plan_decode_splits_long_contexts_only() -> None:
+    assert not plan_decode(4, 8, 128, 16, 1024).split
+    long = plan_decode(4, 8, 128, 16, 4000)
+    assert long.split and long.num_partitions == 8 and long.grid == (32 * 8, 8, 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        plan_decode(1, 1, 80, 16, 10)
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+def test_emulated_reshape_and_cache_matches_engine_write(bs: int) -> None:
+    cache = PagedKVCache(1, 6, bs, 2, 64, mx.float32)
+    cache.k[0] = mx.random.normal(cache.k[0].shape)
+    cache.v[0] = mx.random.normal(cache.v[0].shape)
+    k_old, v_old = np.array(cache.k[0]), np.array(cache.v[0])
+    slots = mx.array([0, bs - 1, bs, 3 * bs + 2, 6 * bs - 1], dtype=mx.int32)  # block edges included
+    k_new = mx.random.normal((5, 2, 64))
+    v_new = mx.random.normal((5, 2, 64))
+    inv = np.array(slot_to_token(slots, 6 * bs))
+    assert (inv >= 0).sum() == 5 and inv[bs - 1] == 1
+    k_emu, v_emu = emulate.reshape_and_cache(np.array(k_new), np.array(v_new), k_old, v_old, inv)
+    cache.write(0, slots, k_new, v_new)
+    np.testing.assert_array_equal(k_emu, np.array(cache.k[0]))
+    np.testing.assert_array_equal(v_emu, np.array(cache.v[0]))
+
+
+def test_backend_selection_here() -> None:
+    fn, label = select_attention("auto")
+    assert (fn is paged_attention_reference) == NO_METAL
+    assert select_attention("reference")[0] is paged_attention_reference
+    if NO_METAL:
+        with pytest.raises(ValueError, match="needs an Apple GPU"):
+            select_attention("metal")
+    with pytest.raises(ValueError, match="auto, metal or reference"):
+        select_attention("cuda")  # type: ignore[arg-type]
+
+
+# -- the real kernels (Apple GPUs) --------------------------------------------------------------------
+TOL = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 5e-2}
+
+
+@pytest.mark.metal
+@needs_metal
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("window", [None, 9])
+def test_metal_decode_matches_reference(dtype: mx.Dtype, bs: int, d: int, window: int | None) -> None:
+    from metal_kernels.ops import paged_attention_metal
+
+    for case in CASES:
+        q, kb, vb, meta, _ = _scenario(bs + d, bs, d, case, dtype=dtype)
+        ref = paged_attention_reference(q, kb, vb, meta, d ** -0.5, window)
+        out = paged_attention_metal(q, kb, vb, meta, d ** -0.5, window)
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                                   rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.metal
+@needs_metal
+@pytest.mark.parametrize("partition_size", [16, 48])
+def test_metal_split_and_softcap_match_dense(partition_size: int) -> None:
+    from metal_kernels.ops import paged_attention_decode
+
+    q, kb, vb, meta, chunks = _scenario(5, 16, 128, [(100, 1), (3, 2), (70, 4)], num_heads=8)
+    g = meta.groups[0]
+    seq, ctx = group_rows(g)
+    nb, bs, hkv, d = kb.shape
+    rows = q[g.q_index.reshape(-1)]
+    out = paged_attention_decode(rows, kb.reshape(nb * bs, hkv, d), vb.reshape(nb * bs, hkv, d),
+                                 g.block_tables, seq, ctx, bs, d ** -0.5, softcap=5.0,
+                                 partition_size=partition_size)
+    got = np.array(out)[np.array(meta.out_index)]
+    np.testing.assert_allclose(got, _dense_reference(q, kb, vb, chunks, d ** -0.5, 5.0), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.metal
+@needs_metal
+def test_metal_reshape_and_cache_matches_engine_write() -> None:
+    from metal_kernels.ops import reshape_and_cache
+
+    cache = PagedKVCache(1, 4, 16, 2, 64, mx.float16)
+    slots = mx.array([0, 15, 16, 63], dtype=mx.int32)
+    k_new, v_new = mx.random.normal((4, 2, 64)), mx.random.normal((4, 2, 64))
+    k_out, v_out = reshape_and_cache(k_new, v_new, cache.k[0], cache.v[0], slots)
+    cache.write(0, slots, k_new, v_new)
+    assert mx.array_equal(k_out, cache.k[0]).item() and mx.array_equal(v_out, cache.v[0]).item()
+
+
+@pytest.mark.skipif(not NO_METAL, reason="this machine has Metal: the forced backend is valid here")
+def test_engine_refuses_forced_metal_backend_without_metal() -> None:
+    from tests.helpers import make_llm
+
+    with pytest.raises(ValueError, match="--attention-backend metal needs an Apple GPU"):
+        make_llm(attention_backend="metal")
+    llm = make_llm(attention_backend="reference")  # forcing the reference path works everywhere
+    assert llm.core.runner.caches[0].attention_fn is paged_attention_reference
+
+
+def test_cli_flag_reaches_the_engine_config() -> None:
+    from server.cli import build_parser, resolve_settings
+
+    settings = resolve_settings(build_parser().parse_args(["serve", "--attention-backend", "reference"]), {})
+    assert settings.engine_config_kwargs()["attention_backend"] == "reference"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "cuda"])
