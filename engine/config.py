@@ -67,6 +67,8 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     # Paged attention: Metal kernels where MLX has an Apple GPU, the gather + SDPA path elsewhere.
     attention_backend: Literal["auto", "metal", "reference"] = "auto"
+    # Test-only fault injection (engine/faults.py): fault kind -> trigger token id.
+    fault_injection: dict[str, int] | None = None
     seed: int | None = None
     chat_template: str | None = None  # template text, overriding the model's
     trust_remote_code: bool = False

@@ -12,6 +12,7 @@ import time
 from engine.attention import PagedKVCache, select_attention
 from engine.config import EngineConfig
 from engine.detokenize import IncrementalDetokenizer
+from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
 from engine.models import adapter
 from engine.models.loader import LoadedModel, load_model
@@ -19,7 +20,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, set_global_seed
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec.backoff import DraftBackoff
 from engine.spec.factory import build_proposer, load_draft
 from engine.spec.proposer import DraftRequest, Proposer
@@ -65,7 +66,9 @@ class EngineCore:
                                    self.max_model_len)
         attention_fn, attention_label = select_attention(config.attention_backend)
         logger.info("attention backend: %s", attention_label)
-        self.runner = ModelRunner(model, self.kv_cache, attention_fn)
+        faults = FaultInjector(config.fault_injection) if config.fault_injection else None
+        self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
+        self.runner.vocab_size = self.loaded.vocab_size
         self.proposer: Proposer | None = None
         self.backoff = DraftBackoff()
         self.spec_max_len = self.max_model_len
@@ -153,20 +156,16 @@ class EngineCore:
             return [], None
         try:
             res = self.runner.execute(so)
-        except Exception as e:  # noqa: BLE001 - one bad batch must not kill the engine thread
-            logger.exception("step failed; failing its %d requests", len(so.scheduled))
-            outs = []
-            for sr in so.scheduled:
-                req = self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR)
-                if req is not None:
-                    req.error = f"{type(e).__name__}: {e}"
-                    self._detok.pop(sr.request_id, None)
-                    self._release(req)
-                    self._finished_backlog.append(self._finished_stats(req))
-                    outs.append(self._output(req, [], "", None))
-            return outs, self.take_finished_backlog()
+        except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine thread
+            if len(so.scheduled) == 1:
+                logger.exception("step failed; failing its request")
+                res = _failed(so, [f"{type(e).__name__}: {e}"])
+            else:
+                logger.warning("batched step failed (%s: %s); re-running its %d requests one by one",
+                               type(e).__name__, e, len(so.scheduled))
+                res = self._execute_isolated(so)
         # Before update(): requests finishing this step still count their last verification.
-        spec_stats = self._spec_stats(so, res.num_accepted_drafts) if self.spec is not None else None
+        spec_stats = self._spec_stats(so, res) if self.spec is not None else None
         updates = self.scheduler.update(so, res)
         lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
 
@@ -209,11 +208,27 @@ class EngineCore:
             self._propose()
         return outputs, stats
 
+    def _execute_isolated(self, so: SchedulerOutput) -> RunnerOutput:
+        """Fault isolation: run each request of a failed batch alone, so only the requests that fail
+        by themselves are failed. Their KV slots are simply rewritten with the same values."""
+        res = RunnerOutput()
+        for sr in so.scheduled:
+            try:
+                one = self.runner.execute(SchedulerOutput([sr], len(sr.token_ids)))
+            except Exception as e:  # noqa: BLE001
+                logger.error("request %s failed on its own: %s: %s", sr.request_id, type(e).__name__, e)
+                one = _failed(SchedulerOutput([sr]), [f"{type(e).__name__}: {e}"])
+            res.sampled_token_ids += one.sampled_token_ids
+            res.logprobs += one.logprobs
+            res.num_accepted_drafts += one.num_accepted_drafts
+            res.errors += one.errors
+        return res
+
     # -- speculative decoding ------------------------------------------------------------------
-    def _spec_stats(self, so: SchedulerOutput, accepted: list[int]) -> SpecDecodingStats:
+    def _spec_stats(self, so: SchedulerOutput, res: RunnerOutput) -> SpecDecodingStats:
         st = SpecDecodingStats()
-        for sr, n_acc in zip(so.scheduled, accepted, strict=True):
-            if not sr.spec_token_ids:
+        for sr, n_acc, err in zip(so.scheduled, res.num_accepted_drafts, res.errors, strict=True):
+            if not sr.spec_token_ids or err is not None:
                 continue
             st.observe(len(sr.spec_token_ids), n_acc)
             self.backoff.observe(sr.request_id, len(sr.spec_token_ids), n_acc)
@@ -248,15 +263,29 @@ class EngineCore:
         if not reqs:
             return
         try:
-            drafts = self.proposer.propose(reqs)
-        except Exception:  # noqa: BLE001 - drafting is an optimisation: fall back to plain decoding
-            logger.exception("proposer failed; speculation disabled for %d requests", len(targets))
-            for req in targets:
-                req.spec_disabled = True
-                self.proposer.release(req.request_id, finished=False)
-            return
+            drafts = self._call_proposer(reqs)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: find who fails, the rest go on
+            logger.warning("proposer failed on a batch of %d; retrying each request alone", len(reqs))
+            drafts = []
+            for req, r in zip(targets, reqs, strict=True):
+                try:
+                    drafts.append(self._call_proposer([r])[0])
+                except Exception:  # noqa: BLE001
+                    logger.exception("proposer failed for %s; speculation disabled for it", req.request_id)
+                    req.spec_disabled = True
+                    self.proposer.release(req.request_id, finished=False)
+                    drafts.append([])
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
+
+    def _call_proposer(self, reqs: list[DraftRequest]) -> list[list[int]]:
+        assert self.proposer is not None
+        faults = self.runner.faults
+        if faults is not None:
+            prompts = {r.request_id: r.token_ids[: r.num_prompt_tokens] for r in reqs}
+            if any(faults.hits("proposer_error", p) for p in prompts.values()):
+                raise InjectedFault("injected fault: proposer_error")
+        return self.proposer.propose(reqs)
 
     def _release(self, req: Request) -> None:
         self.backoff.release(req.request_id)
@@ -290,3 +319,9 @@ class EngineCore:
             time_per_output_token=tpot, num_cached_tokens=req.num_cached_prompt_tokens,
             spec_num_draft_tokens=req.spec_num_draft_tokens,
             spec_num_accepted_tokens=req.spec_num_accepted_tokens)
+
+
+def _failed(so: SchedulerOutput, errors: list[str]) -> RunnerOutput:
+    n = len(so.scheduled)
+    return RunnerOutput(sampled_token_ids=[[] for _ in range(n)], logprobs=[None] * n,
+                        num_accepted_drafts=[0] * n, errors=errors)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.attention import PagedKVCache, build_metadata, paged_attention_reference
+from engine.faults import FaultInjector, InjectedFault
 from engine.models import adapter
 from engine.sampling import RowState, sample
 from engine.scheduler import RunnerOutput, SchedulerOutput
@@ -16,9 +17,12 @@ from engine.spec.verify import verify_greedy
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: PagedKVCache,
-                 attention_fn: Callable[..., mx.array] = paged_attention_reference) -> None:
+                 attention_fn: Callable[..., mx.array] = paged_attention_reference,
+                 faults: FaultInjector | None = None) -> None:
         self.model = model
         self.kv = kv
+        self.faults = faults
+        self.vocab_size: int | None = None  # set by the engine: sampled ids are checked against it
         adapter.install(model)
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
@@ -50,10 +54,19 @@ class ModelRunner:
         return mx.argmax(adapter.compute_logits(self.model, h), axis=-1).tolist()
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        faults = self.faults
+        if faults is not None and any(faults.hits("raise_in_forward", sr.prompt_token_ids)
+                                      for sr in so.scheduled):
+            raise InjectedFault("injected fault: raise_in_forward")
         h = self.forward_chunks([(sr.token_ids, sr.start_pos, sr.block_table, sr.num_logits)
                                  for sr in so.scheduled])
         counts = [sr.num_logits for sr in so.scheduled]
         logits = adapter.compute_logits(self.model, h).astype(mx.float32)  # [N, vocab]
+        if faults is not None:
+            logits = self._inject_nan(so, counts, logits)
+        # One reduction per step: a request whose logits went NaN/inf fails alone, instead of sampling
+        # garbage (or an out-of-range id) into its output.
+        finite = mx.all(mx.isfinite(logits), axis=-1).tolist() if logits.shape[0] else []
 
         out = RunnerOutput()
         # Requests verifying drafts are greedy: all their rows reduce to argmax.
@@ -74,9 +87,11 @@ class ModelRunner:
         sampled = sample(logits[mx.array(sample_rows)], row_states) if sample_rows else None
         argmax_list = argmax.tolist() if argmax is not None else []
 
-        si = vi = 0
+        si = vi = row = 0
         for sr, n in zip(so.scheduled, counts, strict=True):
-            out.errors.append(None)
+            bad = n > 0 and not all(finite[row : row + n])
+            row += n
+            out.errors.append("non-finite logits (NaN or inf) in this request's rows" if bad else None)
             if n == 0:
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
@@ -94,4 +109,24 @@ class ModelRunner:
                 out.logprobs.append(None)
                 out.num_accepted_drafts.append(len(toks) - 1)
                 vi += n
+        self._check_tokens(so, out)
         return out
+
+    def _inject_nan(self, so: SchedulerOutput, counts: list[int], logits: mx.array) -> mx.array:
+        assert self.faults is not None
+        rows: list[bool] = []
+        for sr, n in zip(so.scheduled, counts, strict=True):
+            rows += [self.faults.hits("nan_logits", sr.prompt_token_ids)] * n
+        if not any(rows):
+            return logits
+        return mx.where(mx.array(rows)[:, None], mx.array(float("nan")), logits)
+
+    def _check_tokens(self, so: SchedulerOutput, out: RunnerOutput) -> None:
+        """Fail (only) a request whose new token ids fall outside the vocabulary."""
+        for i, sr in enumerate(so.scheduled):
+            toks = out.sampled_token_ids[i]
+            if self.faults is not None and toks and self.faults.hits("bad_token", sr.prompt_token_ids):
+                toks[-1] = (self.vocab_size or 0) + 7
+            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in toks):
+                out.errors[i] = out.errors[i] or f"sampled token ids {toks} fall outside the vocabulary"
+                out.sampled_token_ids[i] = []

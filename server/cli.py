@@ -28,7 +28,6 @@ from server.settings import ServerSettings
 logger = logging.getLogger("specserve")
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
-SHUTDOWN_GRACE_S = 3.0  # in-flight requests get this long to finish after Ctrl-C / SIGTERM
 
 # (flag, settings field, argparse options). Booleans with a vLLM "--no-x" spelling use
 # BooleanOptionalAction, so both spellings exist.
@@ -56,6 +55,8 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-waiting-requests", "max_waiting_requests", {"type": int}),
     ("--max-request-body-size", "max_request_body_size", {"metavar": "SIZE"}),
     ("--max-n", "max_n", {"type": int}),
+    ("--request-timeout", "request_timeout", {"type": float, "metavar": "SECONDS"}),
+    ("--shutdown-timeout", "shutdown_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error", "critical"]}),
     ("--uvicorn-log-level", "uvicorn_log_level",
      {"choices": ["critical", "error", "warning", "info", "debug", "trace"]}),
@@ -214,8 +215,8 @@ def serve(settings: ServerSettings) -> int:
     logger.info("serving on http://%s:%d (OpenAI API at http://%s:%d/v1)", host, port, host, port)
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level,
                             access_log=not settings.disable_log_requests,
-                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 2)
-    server = _Server(config, on_shutdown=client.abort_all)
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout) + 2)
+    server = _Server(config, on_shutdown=client.abort_all, grace_s=settings.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:
@@ -227,19 +228,21 @@ def serve(settings: ServerSettings) -> int:
 class _Server(uvicorn.Server):
     """uvicorn with two changes for a clean stop:
 
-    - after a signal, requests still running SHUTDOWN_GRACE_S later are aborted, so their clients get
-      a proper end (an error event and `data: [DONE]`) before uvicorn's own timeout cancels them;
+    - after a signal, requests still running --shutdown-timeout seconds later are aborted, so their
+      clients get a proper end (an error event and `data: [DONE]`) before uvicorn's own timeout cancels them;
     - uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown (a traceback for Ctrl-C, a kill for
       SIGTERM); we shut down the same way and then exit 0.
     """
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], object] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], object] | None = None,
+                 grace_s: float = 3.0) -> None:
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        self._grace_s = grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._on_shutdown is not None:
-            asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self._on_shutdown)
+            asyncio.get_running_loop().call_later(self._grace_s, self._on_shutdown)
         await super().shutdown(sockets)
 
     @contextlib.contextmanager

@@ -24,6 +24,7 @@ from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.spec.config import parse_speculative_config
 from engine.stats import IterationStats
+from server.errors import APIError
 from server.metrics import EngineSnapshot, Metrics
 from server.settings import ServerSettings
 
@@ -50,6 +51,8 @@ class RequestStream:
         self._client = client
         self._queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
+        timeout = client.request_timeout
+        self._deadline = None if timeout is None else self._loop.time() + timeout
         self.request_id = request_id
         self.engine_ids = [request_id if len(subs) == 1 else f"{request_id}-{i}" for i in range(len(subs))]
         self._pending: set[str] = set()
@@ -78,7 +81,15 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, RequestOutput]:
         if not self._pending:
             raise StopAsyncIteration
-        index, out = await self._queue.get()
+        if self._deadline is None:
+            index, out = await self._queue.get()
+        else:
+            try:
+                index, out = await asyncio.wait_for(self._queue.get(), self._deadline - self._loop.time())
+            except TimeoutError:
+                self.close()  # abort at the engine's next step: the KV blocks go back to the pool
+                raise APIError(408, f"the request did not finish within --request-timeout "
+                                    f"{self._client.request_timeout:g} s", code="request_timeout") from None
         if out.finished:
             self._finished(self.engine_ids[index])
         return index, out
@@ -107,8 +118,10 @@ class RequestStream:
 class EngineClient:
     """Owns the engine thread; all methods are called from the event loop's thread."""
 
-    def __init__(self, core: EngineCore, served_model_names: list[str] | None = None) -> None:
+    def __init__(self, core: EngineCore, served_model_names: list[str] | None = None,
+                 request_timeout: float | None = None) -> None:
         self.core = core
+        self.request_timeout = request_timeout
         self.served_model_names = served_model_names or [core.loaded.name]
         self.model_name = self.served_model_names[0]
         spec = core.spec
@@ -182,4 +195,4 @@ def create_engine_client(settings: ServerSettings, loaded: LoadedModel | None = 
     kwargs["speculative_config"] = parse_speculative_config(kwargs["speculative_config"])
     config = EngineConfig(**kwargs, show_progress=show_progress)
     core = EngineCore(config, loaded=loaded)
-    return EngineClient(core, settings.served_model_name)
+    return EngineClient(core, settings.served_model_name, settings.request_timeout)

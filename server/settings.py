@@ -79,6 +79,15 @@ class ServerSettings(BaseModel):
     max_request_body_size: int = Field(
         16 * 2**20, ge=1, description="largest request body in bytes, or with a unit (16MiB); 413 above")
     max_n: int = Field(16, ge=1, description="largest `n` (choices per prompt) accepted")
+    request_timeout: float | None = Field(
+        None, gt=0, description="seconds a request may take in all; past it the request is aborted and "
+                                "answered 408 (default: no limit)")
+    shutdown_timeout: float = Field(
+        3.0, ge=0, description="after SIGTERM/Ctrl-C, seconds running requests get to finish before they "
+                               "are aborted")
+
+    # Test-only (engine/faults.py; no CLI flag): fault kind -> trigger token id.
+    fault_injection: dict[str, int] | None = Field(None, description="test-only fault injection")
 
     # -- logging -------------------------------------------------------------------------------
     log_level: LogLevel = Field("info", description="log level of specserve")
@@ -137,7 +146,7 @@ class ServerSettings(BaseModel):
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory, "enable_prefix_caching": self.enable_prefix_caching,
-            "attention_backend": self.attention_backend,
+            "attention_backend": self.attention_backend, "fault_injection": self.fault_injection,
             "seed": self.seed, "chat_template": self.chat_template,
             "trust_remote_code": self.trust_remote_code,
             "speculative_config": self._spec_config(),

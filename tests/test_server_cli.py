@@ -119,7 +119,8 @@ def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]
     log = tmp_path / "serve.log"
     with log.open("w") as f:
         proc = subprocess.Popen([SPECSERVE, "serve", "--port", str(port), "--max-model-len", "2048",
-                                 "--kv-cache-memory", "512MiB", "--log-stats-interval", "1"],
+                                 "--kv-cache-memory", "512MiB", "--log-stats-interval", "1",
+                                 "--shutdown-timeout", "2"],
                                 stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "SPECSERVE_API_KEY": ""})
     try:
