@@ -203,4 +203,5 @@ def select_attention(backend: AttentionBackend) -> tuple[Callable[..., mx.array]
                          "here); use auto or reference")
     from metal_kernels.ops import paged_attention_metal
 
-    return paged_attention_metal, "metal (paged_attention_decode kernel; prefill chunks on the gather path)"
+    return paged_attention_metal, ("metal (paged_attention_decode / paged_attention_prefill kernels; "
+                                   "prefill chunks over 128 tokens on the gather path)")

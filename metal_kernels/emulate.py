@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from metal_kernels.ops import LANES, DecodeLaunch
+from metal_kernels.ops import LANES, DecodeLaunch, PrefillLaunch
 
 
 def paged_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                            block_tables: np.ndarray, q_seq: np.ndarray, q_ctx: np.ndarray,
                            launch: DecodeLaunch, scale: float, softcap: float = 0.0,
-                           window: int = 0) -> np.ndarray:
-    """Same inputs as `ops.paged_attention_decode` (NumPy); returns out [R, H, D] float32."""
+                           window: int = 0, partials: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
+    """Same inputs as `ops.paged_attention_decode` (NumPy); returns out [R, H, D] float32, or with
+    `partials` (split launches) the split tail's outputs (part_acc, part_max, part_sum), flat."""
     R, H, D = q.shape
     num_kv_heads = k_cache.shape[1]
     max_blocks = block_tables.shape[1]
@@ -61,6 +62,8 @@ def paged_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
                 else:
                     inv = 1.0 / l_sum if l_sum > 0 else 0.0
                     out[q_base + offs] = acc * inv
+    if launch.split and partials:
+        return part_acc, part_max, part_sum
     if launch.split:
         out = paged_attention_reduce(part_acc, part_max, part_sum, launch)
     return out.reshape(R, H, D)
@@ -82,6 +85,79 @@ def paged_attention_reduce(part_acc: np.ndarray, part_max: np.ndarray, part_sum:
                 o += part_acc[(base + p) * D + d] * w
             out[(row * H + h) * D + d] = o / total if total > 0 else 0.0
     return out
+
+
+def paged_attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                            block_tables: np.ndarray, q_ctx: np.ndarray, launch: PrefillLaunch, scale: float,
+                            softcap: float = 0.0, window: int = 0) -> np.ndarray:
+    """Same inputs as `ops.paged_attention_prefill` (NumPy); returns out [S * L, H, D] float32.
+    Threadgroup memory starts each tile as NaN, so a key the cooperative load misses poisons a row."""
+    _, H, D = q.shape
+    num_kv_heads = k_cache.shape[1]
+    max_blocks = block_tables.shape[1]
+    elems = D // LANES
+    qf, kf, vf = q.reshape(-1).astype(np.float32), k_cache.reshape(-1), v_cache.reshape(-1)
+    tables = block_tables.reshape(-1)
+    BS, QT, KT, L = launch.block_size, launch.q_tile, launch.kv_tile, launch.q_len
+    threads = LANES * QT
+    lane = np.arange(LANES)[:, None]
+    offs = lane + LANES * np.arange(elems)[None, :]  # [32, ELEMS]
+    out = np.full(q.size, np.nan, np.float32)
+    for tile in range(launch.grid[2] // launch.threadgroup[2]):
+        for h in range(launch.grid[0] // launch.threadgroup[0]):
+            kvh = h // (H // num_kv_heads)
+            seq = tile // launch.tiles_per_seq
+            first_local = (tile % launch.tiles_per_seq) * QT
+            tile_first, tile_end = 1 << 30, 0
+            for j in range(QT):
+                if first_local + j >= L:
+                    break
+                c = int(q_ctx[seq * L + first_local + j])
+                tile_end = max(tile_end, c)
+                tile_first = min(tile_first, max(0, c - window) if window > 0 else 0)
+            # Per SIMD group (qi): registers as in the shader.
+            rows, ctxs, firsts, qvs, accs, ms, ls = [], [], [], [], [], [], []
+            for qi in range(QT):
+                local = first_local + qi
+                valid = local < L
+                row = seq * L + (local if valid else first_local)
+                ctx = int(q_ctx[row])
+                rows.append(row if valid else -1)
+                ctxs.append(ctx)
+                firsts.append(max(0, ctx - window) if window > 0 else 0)
+                qvs.append(qf[(row * H + h) * D + offs] * np.float32(scale))
+                accs.append(np.zeros((LANES, elems), np.float32))
+                ms.append(np.float32(-np.inf))
+                ls.append(np.float32(0.0))
+            for t0 in range(tile_first, tile_end, KT):
+                n = min(KT, tile_end - t0)
+                k_tile = np.full(KT * D, np.nan, np.float32)
+                v_tile = np.full(KT * D, np.nan, np.float32)
+                for tid in range(threads):  # cooperative load: thread tid takes e = tid, tid + threads, ...
+                    e = np.arange(tid, n * D, threads)
+                    pos = t0 + e // D
+                    block = tables[seq * max_blocks + pos // BS].astype(np.int64)
+                    slot = block * BS + pos % BS
+                    src = (slot * num_kv_heads + kvh) * D + e % D
+                    k_tile[e], v_tile[e] = kf[src], vf[src]
+                for qi in range(QT):
+                    for j in range(n):
+                        pos = t0 + j
+                        if pos < firsts[qi] or pos >= ctxs[qi]:
+                            continue
+                        s = np.float32((qvs[qi] * k_tile[j * D + offs]).sum())  # simd_sum of lane partials
+                        if softcap > 0:
+                            s = np.float32(softcap * np.tanh(s / softcap))
+                        m_new = max(ms[qi], s)
+                        corr, p = np.exp(ms[qi] - m_new), np.exp(s - m_new)
+                        ls[qi] = ls[qi] * corr + p
+                        accs[qi] = accs[qi] * corr + p * v_tile[j * D + offs]
+                        ms[qi] = m_new
+            for qi in range(QT):
+                if rows[qi] >= 0:
+                    inv = 1.0 / ls[qi] if ls[qi] > 0 else 0.0
+                    out[(rows[qi] * H + h) * D + offs] = accs[qi] * inv
+    return out.reshape(q.shape)
 
 
 def reshape_and_cache(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,

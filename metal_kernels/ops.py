@@ -24,8 +24,16 @@ BLOCK_SIZES = (8, 16, 32)
 SPLIT_THRESHOLD = 1024
 SPLIT_PARTITION = 512
 # Groups of at most this many query tokens per request (decode, draft verification) use the decode
-# kernel; longer prefill chunks use the gather path (see README: a tiled prefill kernel is not done).
+# kernel; longer chunks up to PREFILL_KERNEL_MAX_QUERY_LEN use the tiled prefill kernel. Longer
+# chunks stay on the gather path: they are compute-bound, the gather is paid once per chunk, and
+# MLX's fused SDPA uses simdgroup matrix tiles that the prefill kernel does not (see README).
 DECODE_MAX_QUERY_LEN = 16
+PREFILL_KERNEL_MAX_QUERY_LEN = 128
+PREFILL_Q_TILE = 8  # query rows (SIMD groups) per threadgroup sharing one K/V tile
+PREFILL_TILE_FLOATS = 2048  # K/V tile size per threadgroup in floats: 2 x 8 KiB of threadgroup memory
+# Value every kernel output starts as (MLX's init_value); None leaves outputs uninitialised (no fill
+# pass). The Metal tests set NaN so an element a kernel never writes fails the comparison.
+OUTPUT_INIT: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +77,38 @@ def plan_decode(num_rows: int, num_heads: int, head_dim: int, block_size: int, m
     return DecodeLaunch(num_rows, num_heads, head_dim, block_size, partition_size, num_partitions)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillLaunch:
+    num_seqs: int
+    q_len: int
+    num_heads: int
+    head_dim: int
+    block_size: int
+    q_tile: int
+    kv_tile: int
+
+    @property
+    def tiles_per_seq(self) -> int:
+        return -(-self.q_len // self.q_tile)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (LANES * self.num_heads, self.q_tile, self.num_seqs * self.tiles_per_seq)
+
+    @property
+    def threadgroup(self) -> tuple[int, int, int]:
+        return (LANES, self.q_tile, 1)
+
+
+def plan_prefill(num_seqs: int, q_len: int, num_heads: int, head_dim: int, block_size: int,
+                 q_tile: int = PREFILL_Q_TILE) -> PrefillLaunch:
+    """Launch shape for `num_seqs` sequences of `q_len` query rows each (rows laid out seq-major)."""
+    if head_dim % LANES:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of {LANES}")
+    kv_tile = max(1, PREFILL_TILE_FLOATS // head_dim)  # 32 / 16 / 8 keys for head sizes 64 / 128 / 256
+    return PrefillLaunch(num_seqs, q_len, num_heads, head_dim, block_size, q_tile, kv_tile)
+
+
 def group_rows(g: AttentionGroup) -> tuple[mx.array, mx.array]:
     """Per query row of a padded group ([R, L] -> R * L rows): block-table row and visible keys.
     Padding rows repeat a valid query and are dropped by the caller's out_index."""
@@ -99,6 +139,9 @@ def _kernels() -> dict[str, object]:
         "reduce": fk(name="specserve_paged_attention_reduce",
                      input_names=["part_acc", "part_max", "part_sum"], output_names=["out"],
                      source=_source("paged_attention_reduce")),
+        "prefill": fk(name="specserve_paged_attention_prefill",
+                      input_names=["q", "k_cache", "v_cache", "block_tables", "q_ctx", "params"],
+                      output_names=["out"], source=_source("paged_attention_prefill")),
         "cache": fk(name="specserve_reshape_and_cache",
                     input_names=["key", "value", "key_cache", "value_cache", "slot_to_token"],
                     output_names=["key_cache_out", "value_cache_out"], source=_source("reshape_and_cache")),
@@ -123,15 +166,33 @@ def paged_attention_decode(q: mx.array, k_cache: mx.array, v_cache: mx.array, bl
     if not launch.split:
         return k["decode_direct"](inputs=args, template=template, grid=launch.grid,  # type: ignore[operator]
                                   threadgroup=launch.threadgroup, output_shapes=[(R, H, D)],
-                                  output_dtypes=[q.dtype])[0]
+                                  output_dtypes=[q.dtype], init_value=OUTPUT_INIT)[0]
     P = launch.num_partitions
     acc, mmax, msum = k["decode_split"](  # type: ignore[operator]
         inputs=args, template=template, grid=launch.grid, threadgroup=launch.threadgroup,
         output_shapes=[(R, H, P, D), (R, H, P), (R, H, P)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
+        output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=OUTPUT_INIT)
     return k["reduce"](inputs=[acc, mmax, msum], template=[("T", q.dtype), ("HEAD_DIM", D)],  # type: ignore[operator]
                        grid=launch.reduce_grid, threadgroup=launch.reduce_threadgroup,
-                       output_shapes=[(R, H, D)], output_dtypes=[q.dtype])[0]
+                       output_shapes=[(R, H, D)], output_dtypes=[q.dtype], init_value=OUTPUT_INIT)[0]
+
+
+def paged_attention_prefill(q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+                            q_ctx: mx.array, block_size: int, scale: float, softcap: float = 0.0,
+                            window: int | None = None) -> mx.array:
+    """q [S * L, H, D] (sequence-major); caches [num_slots, Hkv, D]; block_tables [S, max_blocks];
+    q_ctx [S * L]. Returns [S * L, H, D] in q's dtype."""
+    rows, H, D = q.shape
+    S = block_tables.shape[0]
+    launch = plan_prefill(S, rows // S, H, D, block_size)
+    params = mx.array([scale, softcap, float(window or 0), float(launch.q_len), float(launch.tiles_per_seq)],
+                      dtype=mx.float32)
+    template = [("T", q.dtype), ("HEAD_DIM", D), ("BLOCK_SIZE", block_size), ("Q_TILE", launch.q_tile),
+                ("KV_TILE", launch.kv_tile)]
+    return _kernels()["prefill"](  # type: ignore[operator]
+        inputs=[q, k_cache, v_cache, block_tables.astype(mx.int32), q_ctx.astype(mx.int32), params],
+        template=template, grid=launch.grid, threadgroup=launch.threadgroup, output_shapes=[(rows, H, D)],
+        output_dtypes=[q.dtype], init_value=OUTPUT_INIT)[0]
 
 
 def slot_to_token(slot_mapping: mx.array, num_slots: int) -> mx.array:
@@ -150,20 +211,23 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache: mx.array, value
                 slot_to_token(slot_mapping, key_cache.shape[0])],
         template=[("HEAD_DIM", key_cache.shape[2])], grid=(n, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[key_cache.shape, value_cache.shape],
-        output_dtypes=[key_cache.dtype, value_cache.dtype])
+        output_dtypes=[key_cache.dtype, value_cache.dtype], init_value=OUTPUT_INIT)
     return out[0], out[1]
 
 
 def group_attention_metal(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, g: AttentionGroup,
                           scale: float, window: int | None = None) -> mx.array:
-    """The engine's per-group attention on Metal: decode/verification groups go to the kernel (no
-    gathered copy of the blocks), prefill chunks to the gather path."""
+    """The engine's per-group attention on Metal: decode/verification groups go to the decode kernel,
+    prefill chunks up to PREFILL_KERNEL_MAX_QUERY_LEN tokens to the prefill kernel (neither gathers a
+    contiguous copy of the blocks), longer chunks to the gather path."""
     nb, bs, hkv, d = k_blocks.shape
-    if g.max_len > DECODE_MAX_QUERY_LEN or d not in HEAD_DIMS:
+    if g.max_len > PREFILL_KERNEL_MAX_QUERY_LEN or d not in HEAD_DIMS:
         return group_attention_reference(q, k_blocks, v_blocks, g, scale, window)
     rows = q if g.identity else q[g.q_index.reshape(-1)]  # identity: already [R * L, H, D] in order
     seq, ctx = group_rows(g)
     k_flat, v_flat = k_blocks.reshape(nb * bs, hkv, d), v_blocks.reshape(nb * bs, hkv, d)
+    if g.max_len > DECODE_MAX_QUERY_LEN:
+        return paged_attention_prefill(rows, k_flat, v_flat, g.block_tables, ctx, bs, scale, window=window)
     return paged_attention_decode(rows, k_flat, v_flat, g.block_tables, seq, ctx, bs, scale,
                                   window=window, max_ctx=g.block_tables.shape[1] * bs)
 

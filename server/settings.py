@@ -118,6 +118,15 @@ class ServerSettings(BaseModel):
         parse_memory(v)
         return v
 
+    @field_validator("attention_backend")
+    @classmethod
+    def _attention(cls, v: str) -> str:
+        """`metal` without a Metal device fails here, before the model loads (the engine checks again)."""
+        from engine.attention import select_attention
+
+        select_attention(v)  # type: ignore[arg-type]
+        return v
+
     @field_validator("chat_template")
     @classmethod
     def _template(cls, v: str | None) -> str | None:

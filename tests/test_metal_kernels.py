@@ -8,6 +8,7 @@ Metal device (Linux, CI). On a Mac: `pytest -m metal tests/test_metal_kernels.py
 
 from __future__ import annotations
 
+import logging
 import random
 
 import mlx.core as mx
@@ -23,7 +24,15 @@ from engine.attention import (
     select_attention,
 )
 from metal_kernels import emulate
-from metal_kernels.ops import BLOCK_SIZES, HEAD_DIMS, group_rows, plan_decode, slot_to_token
+from metal_kernels.ops import (
+    BLOCK_SIZES,
+    HEAD_DIMS,
+    DecodeLaunch,
+    group_rows,
+    plan_decode,
+    plan_prefill,
+    slot_to_token,
+)
 
 NO_METAL = not mx.metal.is_available()
 needs_metal = pytest.mark.skipif(NO_METAL, reason="no Metal device (mx.metal.is_available() is False): "
@@ -182,12 +191,155 @@ def test_backend_selection_here() -> None:
         select_attention("cuda")  # type: ignore[arg-type]
 
 
+def _emulated_prefill_group(softcap: float = 0.0, q_tile: int = 8):
+    def group_fn(q, kb, vb, g: AttentionGroup, scale, window):
+        nb, bs, hkv, d = kb.shape
+        rows = q if g.identity else q[g.q_index.reshape(-1)]
+        _, ctx = group_rows(g)
+        launch = plan_prefill(g.num_rows, g.max_len, rows.shape[1], d, bs, q_tile)
+        out = emulate.paged_attention_prefill(
+            np.array(rows.astype(mx.float32)), np.array(kb.reshape(nb * bs, hkv, d).astype(mx.float32)),
+            np.array(vb.reshape(nb * bs, hkv, d).astype(mx.float32)), np.array(g.block_tables),
+            np.array(ctx), launch, scale, softcap, window or 0)
+        assert not np.isnan(out).any(), "an output element was never written (or read an unloaded key)"
+        return mx.array(out)
+    return group_fn
+
+
+# Prefill chunks (> 16 tokens: their own group): first chunk, chunks continuing a context that ends on
+# and just past a block edge, a ragged last query tile (L % 8 != 0).
+PREFILL_CASES = [[(0, 17)], [(32, 24), (5, 1)], [(33, 21)], [(7, 40), (2, 3)]]
+
+
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_emulated_prefill_matches_reference(bs: int, d: int) -> None:
+    case = PREFILL_CASES[(bs + d) % len(PREFILL_CASES)]
+    q, kb, vb, meta, _ = _scenario(bs * d, bs, d, case, num_heads=4, num_kv_heads=1)
+    assert any(g.max_len > 16 for g in meta.groups)
+    scale = d ** -0.5
+    ref = paged_attention_reference(q, kb, vb, meta, scale)
+    emu = assemble_groups(q, kb, vb, meta, scale, None, _emulated_prefill_group())
+    np.testing.assert_allclose(np.array(emu), np.array(ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [5, 16, 30])
+def test_emulated_prefill_sliding_window_and_softcap(window: int) -> None:
+    q, kb, vb, meta, chunks = _scenario(window, 8, 64, [(19, 26)])
+    ref = paged_attention_reference(q, kb, vb, meta, 0.125, window)
+    emu = assemble_groups(q, kb, vb, meta, 0.125, window, _emulated_prefill_group(q_tile=4))
+    np.testing.assert_allclose(np.array(emu), np.array(ref), rtol=2e-5, atol=2e-5)
+    q = q * 4
+    capped = assemble_groups(q, kb, vb, meta, 0.125, window, _emulated_prefill_group(softcap=5.0))
+    dense = _dense_reference(q, kb, vb, chunks, 0.125, 5.0, window)
+    np.testing.assert_allclose(np.array(capped), dense, rtol=2e-4, atol=2e-4)
+    assert np.abs(dense - _dense_reference(q, kb, vb, chunks, 0.125, 0.0, window)).max() > 1e-2
+
+
+def test_emulated_prefill_several_sequences_per_launch() -> None:
+    # The kernel takes S sequences of L rows each (sequence-major); the engine sends one, check more.
+    bs, d, L = 16, 64, 19
+    q, kb, vb, _, chunks = _scenario(11, bs, d, [(3, L), (40, L)])
+    nb = max(len(t) for _, _, t in chunks)
+    tables = np.array([t + [0] * (nb - len(t)) for _, _, t in chunks], np.int32)
+    ctx = np.array([c + j + 1 for c, n, _ in chunks for j in range(n)], np.int32)
+    launch = plan_prefill(2, L, 4, d, bs)
+    assert launch.grid == (32 * 4, 8, 2 * 3) and launch.kv_tile == 32
+    kf, vf = np.array(kb.reshape(-1, 2, d)), np.array(vb.reshape(-1, 2, d))
+    out = emulate.paged_attention_prefill(np.array(q), kf, vf, tables, ctx, launch, d ** -0.5)
+    np.testing.assert_allclose(out, _dense_reference(q, kb, vb, chunks, d ** -0.5), rtol=2e-4, atol=2e-4)
+
+
+class _EmulatedKernel:
+    """Stands in for an `mx.fast.metal_kernel` object: takes the wrapper's exact launch arguments
+    (inputs, template, grid, threadgroup, output shapes) and runs the emulation with them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None):
+        t = dict(template)
+        a = [np.array(x.astype(mx.float32)) if x.dtype in (mx.float16, mx.bfloat16) else np.array(x)
+             for x in inputs]
+        assert all(g % tg == 0 for g, tg in zip(grid, threadgroup, strict=True)), (grid, threadgroup)
+        assert threadgroup[0] * threadgroup[1] * threadgroup[2] <= 1024
+        if self.name == "prefill":
+            q, kc, vc, tables, ctx, params = a
+            assert threadgroup == (32, t["Q_TILE"], 1) and 8 * t["KV_TILE"] * t["HEAD_DIM"] <= 32768
+            launch = plan_prefill(tables.shape[0], int(params[3]), grid[0] // 32, t["HEAD_DIM"],
+                                  t["BLOCK_SIZE"], t["Q_TILE"])
+            assert launch.grid == tuple(grid) and launch.kv_tile == t["KV_TILE"]
+            assert launch.tiles_per_seq == params[4]
+            outs = [emulate.paged_attention_prefill(q, kc, vc, tables, ctx, launch, float(params[0]),
+                                                    float(params[1]), int(params[2]))]
+        elif self.name == "reduce":
+            acc, mmax, msum = a
+            R, H, P = mmax.shape
+            launch = DecodeLaunch(R, H, t["HEAD_DIM"], 0, 0, P)
+            assert launch.reduce_grid == tuple(grid) and launch.reduce_threadgroup == tuple(threadgroup)
+            outs = [emulate.paged_attention_reduce(acc.reshape(-1), mmax.reshape(-1), msum.reshape(-1),
+                                                   launch)]
+        else:  # decode_direct / decode_split
+            q, kc, vc, tables, seq, ctx, params = a
+            launch = DecodeLaunch(grid[2], grid[1], t["HEAD_DIM"], t["BLOCK_SIZE"], t["PARTITION_SIZE"],
+                                  grid[0] // 32)
+            assert int(params[3]) == launch.num_partitions and threadgroup == launch.threadgroup
+            assert launch.split == (self.name == "decode_split")
+            res = emulate.paged_attention_decode(q, kc, vc, tables, seq, ctx, launch, float(params[0]),
+                                                 float(params[1]), int(params[2]), partials=True)
+            outs = list(res) if isinstance(res, tuple) else [res]
+        assert len(outs) == len(output_shapes)
+        shapes = zip(outs, output_shapes, output_dtypes, strict=True)
+        return [mx.array(o.reshape(shape)).astype(dt) for o, shape, dt in shapes]
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_metal_dispatch_with_emulated_kernels_matches_reference(monkeypatch: pytest.MonkeyPatch,
+                                                                window: int | None) -> None:
+    """The Metal backend's Python side (grouping, routing by chunk length, launch planning, params)
+    end to end, with each kernel replaced by its emulation: a mixed step with decode rows,
+    verification rows, a prefill chunk for the prefill kernel, one for the gather path, and a
+    context long enough for the split-KV variant."""
+    from metal_kernels import ops
+
+    calls: list[str] = []
+
+    def fake_kernels() -> dict[str, object]:
+        def make(name: str) -> object:
+            k = _EmulatedKernel(name)
+            return lambda **kw: (calls.append(name), k(**kw))[1]
+        return {n: make(n) for n in ("decode_direct", "decode_split", "reduce", "prefill")}
+
+    monkeypatch.setattr(ops, "_kernels", fake_kernels)
+    lens = [(5, 1), (16, 4), (0, 40), (3, 150)]
+    q, kb, vb, meta, _ = _scenario(21, 16, 64, lens, num_heads=4, num_kv_heads=2)
+    ref = paged_attention_reference(q, kb, vb, meta, 0.125, window)
+    out = ops.paged_attention_metal(q, kb, vb, meta, 0.125, window)
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=2e-5, atol=2e-5)
+    assert calls == ["decode_direct", "prefill"]  # the 150-token chunk took the gather path
+    calls.clear()
+    q, kb, vb, meta, _ = _scenario(22, 8, 64, [(1100, 1), (40, 3)])  # > SPLIT_THRESHOLD keys: split
+    ref = paged_attention_reference(q, kb, vb, meta, 0.125, window)
+    out = ops.paged_attention_metal(q, kb, vb, meta, 0.125, window)
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=2e-5, atol=2e-5)
+    assert calls == ["decode_split", "reduce"]
+
+
 # -- the real kernels (Apple GPUs) --------------------------------------------------------------------
 TOL = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 5e-2}
 
 
+@pytest.fixture
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel outputs start as NaN (MLX's init_value), so an element a kernel never writes fails."""
+    from metal_kernels import ops
+
+    monkeypatch.setattr(ops, "OUTPUT_INIT", float("nan"))
+
+
 @pytest.mark.metal
 @needs_metal
+@pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -205,6 +357,7 @@ def test_metal_decode_matches_reference(dtype: mx.Dtype, bs: int, d: int, window
 
 @pytest.mark.metal
 @needs_metal
+@pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("partition_size", [16, 48])
 def test_metal_split_and_softcap_match_dense(partition_size: int) -> None:
     from metal_kernels.ops import paged_attention_decode
@@ -223,6 +376,42 @@ def test_metal_split_and_softcap_match_dense(partition_size: int) -> None:
 
 @pytest.mark.metal
 @needs_metal
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("window", [None, 13])
+def test_metal_prefill_matches_reference(dtype: mx.Dtype, bs: int, d: int, window: int | None) -> None:
+    from metal_kernels.ops import paged_attention_metal
+
+    for case in PREFILL_CASES:
+        q, kb, vb, meta, _ = _scenario(bs * d, bs, d, case, dtype=dtype)
+        ref = paged_attention_reference(q, kb, vb, meta, d ** -0.5, window)
+        out = paged_attention_metal(q, kb, vb, meta, d ** -0.5, window)
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                                   rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.metal
+@needs_metal
+@pytest.mark.usefixtures("poison_outputs")
+def test_metal_prefill_softcap_matches_dense() -> None:
+    from metal_kernels.ops import paged_attention_prefill
+
+    q, kb, vb, meta, chunks = _scenario(9, 16, 128, [(40, 30)])
+    q = q * 4
+    nb, bs, hkv, d = kb.shape
+    g = meta.groups[0]
+    _, ctx = group_rows(g)
+    out = paged_attention_prefill(q, kb.reshape(nb * bs, hkv, d), vb.reshape(nb * bs, hkv, d), g.block_tables,
+                                  ctx, bs, d ** -0.5, softcap=5.0, window=20)
+    np.testing.assert_allclose(np.array(out), _dense_reference(q, kb, vb, chunks, d ** -0.5, 5.0, 20),
+                               rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.metal
+@needs_metal
+@pytest.mark.usefixtures("poison_outputs")
 def test_metal_reshape_and_cache_matches_engine_write() -> None:
     from metal_kernels.ops import reshape_and_cache
 
@@ -235,13 +424,26 @@ def test_metal_reshape_and_cache_matches_engine_write() -> None:
 
 
 @pytest.mark.skipif(not NO_METAL, reason="this machine has Metal: the forced backend is valid here")
-def test_engine_refuses_forced_metal_backend_without_metal() -> None:
+def test_engine_refuses_forced_metal_backend_without_metal(caplog: pytest.LogCaptureFixture) -> None:
     from tests.helpers import make_llm
 
     with pytest.raises(ValueError, match="--attention-backend metal needs an Apple GPU"):
         make_llm(attention_backend="metal")
-    llm = make_llm(attention_backend="reference")  # forcing the reference path works everywhere
+    with caplog.at_level(logging.INFO, logger="engine.core"):
+        llm = make_llm(attention_backend="reference")  # forcing the reference path works everywhere
     assert llm.core.runner.caches[0].attention_fn is paged_attention_reference
+    assert any(r.getMessage().startswith("attention backend: reference") for r in caplog.records)
+
+
+@pytest.mark.skipif(not NO_METAL, reason="this machine has Metal: the forced backend is valid here")
+def test_server_refuses_forced_metal_backend_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--attention-backend", "metal", "--port", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "attention_backend" in err and "--attention-backend metal needs an Apple GPU" in err
 
 
 def test_cli_flag_reaches_the_engine_config() -> None:
