@@ -21,6 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, set_global_seed
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from engine.spec.adaptive import AdaptiveController, Candidate
 from engine.spec.backoff import DraftBackoff
 from engine.spec.factory import build_proposer, load_draft
 from engine.spec.proposer import DraftRequest, Proposer
@@ -71,16 +72,22 @@ class EngineCore:
         self.runner.vocab_size = self.loaded.vocab_size
         self.proposer: Proposer | None = None
         self.backoff = DraftBackoff()
+        self.adaptive: AdaptiveController | None = None
         self.spec_max_len = self.max_model_len
         if self.spec is not None:
-            self.proposer = build_proposer(self.spec, draft, num_blocks, bs)
+            self.proposer = build_proposer(self.spec, draft, num_blocks, bs, self.loaded, self.runner)
             if draft is not None:
                 draft_max = draft.max_position_embeddings or self.max_model_len
                 self.spec_max_len = min(self.max_model_len, draft_max)
             if self.spec.max_model_len:
                 self.spec_max_len = min(self.spec_max_len, self.spec.max_model_len)
-            logger.info("speculative decoding: %s, num_speculative_tokens=%d%s", self.spec.method,
-                        self.spec.num_speculative_tokens,
+            if self.spec.adaptive is not None:
+                a = self.spec.adaptive
+                self.adaptive = AdaptiveController(self.spec.num_speculative_tokens, ema=a.acceptance_ema,
+                                                   base_probe=a.probe_interval)
+            logger.info("speculative decoding: %s, num_speculative_tokens=%s%s", self.spec.method,
+                        f"auto (up to {self.spec.num_speculative_tokens})" if self.spec.adaptive
+                        else self.spec.num_speculative_tokens,
                         f", draft {draft.name} ({draft.path})" if draft is not None else "")
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Requests that ended outside a step (aborts): reported with the next stats object.
@@ -170,6 +177,9 @@ class EngineCore:
         lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
 
         now = time.monotonic()
+        if self.adaptive is not None and all(sr.num_logits == len(sr.token_ids) for sr in so.scheduled):
+            # Decode/verify steps only: a long prefill chunk is far cheaper per token than draft rows.
+            self.adaptive.observe_step(so.num_batched_tokens, now - t0)
         stats = self._new_stats(now, now - t0, len(so.scheduled))
         stats.num_preempted = len(so.preempted_ids)
         stats.finished, self._finished_backlog = self._finished_backlog, []
@@ -188,7 +198,7 @@ class EngineCore:
             detok = self._detok.get(req.request_id)
             text = ""
             if detok is not None and new_tokens:
-                text, stop_str = detok.add(new_tokens)
+                text, stop_str = self._detokenize(req, detok, new_tokens)
                 if stop_str is not None and not req.status.finished:
                     req.stop_reason = stop_str
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -196,7 +206,7 @@ class EngineCore:
                     req.stop_reason = stop_str
                     req.status = RequestStatus.FINISHED_STOPPED
             if req.status.finished:
-                if detok is not None and not isinstance(req.stop_reason, str):
+                if detok is not None and not isinstance(req.stop_reason, str) and req.error is None:
                     text += detok.flush()  # release text held back for a stop string that never came
                 self._detok.pop(req.request_id, None)
                 self._release(req)
@@ -205,8 +215,25 @@ class EngineCore:
         stats.num_running = len(self.scheduler.running)
         stats.kv_cache_usage = self.kv.usage()
         if self.proposer is not None:
-            self._propose()
+            self._propose(stats)
         return outputs, stats
+
+    def _detokenize(self, req: Request, detok: IncrementalDetokenizer,
+                    new_tokens: list[int]) -> tuple[str, str | None]:
+        """(text, stop string) for new tokens; a detokenizer failure fails this request only."""
+        try:
+            faults = self.runner.faults
+            if faults is not None and faults.hits("detokenize_error", req.prompt_token_ids):
+                raise InjectedFault("injected fault: detokenize_error")
+            return detok.add(new_tokens)
+        except Exception as e:  # noqa: BLE001 - the engine thread must go on for everyone else
+            logger.exception("detokenizing %s failed; failing the request", req.request_id)
+            req.error = f"detokenization failed: {type(e).__name__}: {e}"
+            if req.status.finished:  # it ended this step: only its final status changes
+                req.status = RequestStatus.FINISHED_ERROR
+            else:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+            return "", None
 
     def _execute_isolated(self, so: SchedulerOutput) -> RunnerOutput:
         """Fault isolation: run each request of a failed batch alone, so only the requests that fail
@@ -232,6 +259,8 @@ class EngineCore:
                 continue
             st.observe(len(sr.spec_token_ids), n_acc)
             self.backoff.observe(sr.request_id, len(sr.spec_token_ids), n_acc)
+            if self.adaptive is not None:
+                self.adaptive.observe_verification(sr.request_id, len(sr.spec_token_ids), n_acc)
             req = self.scheduler.requests.get(sr.request_id)
             if req is not None:
                 req.spec_num_drafts += 1
@@ -239,10 +268,14 @@ class EngineCore:
                 req.spec_num_accepted_tokens += n_acc
         return st
 
-    def _propose(self) -> None:
-        """Ask the proposer for drafts of greedy requests in decode; drafts are verified next step."""
+    def _propose(self, stats: IterationStats) -> None:
+        """Ask the proposer for drafts of greedy requests in decode; drafts are verified next step.
+        K: the static controls give the most a request may take; with "auto" the adaptive controller
+        picks per request within that (0 included)."""
         assert self.spec is not None and self.proposer is not None
         k_batch = self.spec.tokens_for_batch(len(self.scheduler.running))
+        if self.adaptive is not None:
+            stats.spec_cost_estimates = self.adaptive.estimates()
         if k_batch == 0:
             return
         reqs: list[DraftRequest] = []
@@ -252,16 +285,28 @@ class EngineCore:
                 continue
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still prefilling
-            if not self.backoff.should_draft(req.request_id):
-                continue
+            if self.adaptive is None and not self.backoff.should_draft(req.request_id):
+                continue  # with "auto" the controller does its own back-off and re-probing
             k = min(k_batch, req.max_tokens - req.num_output_tokens - 1,
                     self.spec_max_len - req.num_tokens)
             if k < 1:
                 continue
-            reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k))
+            reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
+                                     self.kv.block_table(req.request_id)))
             targets.append(req)
+        if self.adaptive is not None and reqs:
+            cands = [Candidate(r.request_id, r.num_drafts) for r in reqs]
+            ks = self.adaptive.choose(cands, *self._next_step_tokens())
+            stats.spec_chosen_k = list(ks)
+            for r, k in zip(reqs, ks, strict=True):
+                r.num_drafts = k
+            keep = [i for i, k in enumerate(ks) if k > 0]
+            reqs, targets = [reqs[i] for i in keep], [targets[i] for i in keep]
+        else:
+            stats.spec_chosen_k = [r.num_drafts for r in reqs]
         if not reqs:
             return
+        t0 = time.monotonic()
         try:
             drafts = self._call_proposer(reqs)
         except Exception:  # noqa: BLE001 - drafting is an optimisation: find who fails, the rest go on
@@ -277,6 +322,18 @@ class EngineCore:
                     drafts.append([])
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
+        if self.adaptive is not None:
+            self.adaptive.observe_draft(sum(len(r.spec_token_ids) for r in targets), time.monotonic() - t0)
+
+    def _next_step_tokens(self) -> tuple[int, int]:
+        """(tokens the next step computes before drafts: one per decoding request plus prefill chunks,
+        tokens it emits without drafts: one per decoding request, sampled ones included)."""
+        total = emitted = 0
+        for req in self.scheduler.running:
+            todo = max(1, req.num_tokens - req.num_computed_tokens)
+            total += todo
+            emitted += todo == 1
+        return min(total, self.config.max_num_batched_tokens), emitted
 
     def _call_proposer(self, reqs: list[DraftRequest]) -> list[list[int]]:
         assert self.proposer is not None
@@ -289,6 +346,8 @@ class EngineCore:
 
     def _release(self, req: Request) -> None:
         self.backoff.release(req.request_id)
+        if self.adaptive is not None:
+            self.adaptive.release(req.request_id)
         if self.proposer is not None:
             normal = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
             self.proposer.release(req.request_id, finished=normal)

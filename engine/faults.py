@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-FaultKind = Literal["raise_in_forward", "nan_logits", "bad_token", "proposer_error"]
-FAULT_KINDS: tuple[str, ...] = ("raise_in_forward", "nan_logits", "bad_token", "proposer_error")
+FaultKind = Literal["raise_in_forward", "nan_logits", "bad_token", "proposer_error", "detokenize_error"]
+FAULT_KINDS: tuple[str, ...] = ("raise_in_forward", "nan_logits", "bad_token", "proposer_error",
+                                "detokenize_error")
 
 
 class InjectedFault(RuntimeError):

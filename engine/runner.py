@@ -23,6 +23,8 @@ class ModelRunner:
         self.kv = kv
         self.faults = faults
         self.vocab_size: int | None = None  # set by the engine: sampled ids are checked against it
+        # MTP: request id -> (position of its newest token, target hidden row that produced it [hidden]).
+        self.mtp_hidden: dict[str, tuple[int, mx.array]] | None = None
         adapter.install(model)
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
@@ -110,7 +112,19 @@ class ModelRunner:
                 out.num_accepted_drafts.append(len(toks) - 1)
                 vi += n
         self._check_tokens(so, out)
+        if self.mtp_hidden is not None:
+            self._keep_hidden(so, counts, h, out)
         return out
+
+    def _keep_hidden(self, so: SchedulerOutput, counts: list[int], h: mx.array, out: RunnerOutput) -> None:
+        """Remember each request's hidden row that produced its newest token (the MTP input)."""
+        assert self.mtp_hidden is not None
+        row = 0
+        for sr, n, toks in zip(so.scheduled, counts, out.sampled_token_ids, strict=True):
+            if n > 0 and toks:
+                pos = sr.start_pos + len(sr.token_ids) - n + len(toks)
+                self.mtp_hidden[sr.request_id] = (pos, h[row + len(toks) - 1])
+            row += n
 
     def _inject_nan(self, so: SchedulerOutput, counts: list[int], logits: mx.array) -> mx.array:
         assert self.faults is not None

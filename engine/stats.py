@@ -54,3 +54,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     spec: SpecDecodingStats | None = None
+    # Speculation choices made at the end of this step for the next one (every speculative config):
+    # K per candidate request (0 = not drafting), and the adaptive cost model's terms when "auto".
+    spec_chosen_k: list[int] = field(default_factory=list)
+    spec_cost_estimates: dict[str, float] | None = None

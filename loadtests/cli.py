@@ -184,9 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-labels", action="store_true", help="do not append the file name to labels")
     p.set_defaults(func=cmd_plot)
 
-    from loadtests import suite
+    from loadtests import adaptive, suite
 
     suite.add_parser(sub)
+    adaptive.add_parser(sub)
     return parser
 
 

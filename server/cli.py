@@ -79,7 +79,7 @@ def _help(field: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server on MLX.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,prepare}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,prepare,train-assistant}")
 
     serve = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -101,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HF folder, GGUF file or Hub id (default: SmolLM2-135M-Instruct)")
     prepare.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     prepare.add_argument("--revision", default=None)
+
+    train = sub.add_parser("train-assistant", help="self-distil an MTP assistant for MODEL (method: mtp)",
+                           description="The target writes its own training text, then a small assistant "
+                                       "learns its next-next token on MLX. Resumable: rerun to continue.")
+    train.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    train.add_argument("--out", required=True, help="output folder (checkpoint/ and data/ go inside)")
+    train.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
+    train.add_argument("--steps", type=int, default=600)
+    train.add_argument("--head-size", type=int, default=4096, help="reduced vocabulary of the head")
+    train.add_argument("--max-tokens", type=int, default=96, help="tokens generated per answer")
+    train.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -276,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "prepare":
         return prepare(args.model, args.dtype, args.revision)
+    if args.command == "train-assistant":
+        from engine.spec.train_assistant import main_cli
+
+        return main_cli(args)
     try:
         settings = resolve_settings(args)
     except ValueError as e:

@@ -176,6 +176,21 @@ class Metrics:
             "specserve:request_spec_decode_acceptance_rate",
             "Per finished request: accepted / drafted tokens (requests that drafted).", ["model_name"],
             buckets=_RATE_BUCKETS, registry=reg).labels(name)
+        # The speculation choice of each step (static or "auto"), per candidate request.
+        self.chosen_k = Histogram(
+            "specserve:spec_decode_chosen_num_speculative_tokens",
+            "Per request-step that could draft: the number of draft tokens chosen (0 = not drafting).",
+            ["model_name"], buckets=[float(i) for i in range(max(k, 1) + 1)], registry=reg).labels(name)
+        drafting = Gauge("specserve:spec_decode_num_requests",
+                         "Running requests at the last step, by whether they draft for the next one.",
+                         ["model_name", "drafting"], registry=reg)
+        self.num_drafting = drafting.labels(name, "true")
+        self.num_not_drafting = drafting.labels(name, "false")
+        self.cost_estimates = Gauge(
+            "specserve:spec_decode_cost_model_seconds",
+            'Adaptive speculation\'s current cost model (`"num_speculative_tokens": "auto"`): step_1_token, '
+            "step_per_token_at_8, step_per_token_at_64 and draft_per_token seconds.", ["model_name", "term"],
+            registry=reg)
 
     def _recent_acceptance(self) -> float:
         with self._lock:
@@ -209,6 +224,8 @@ class Metrics:
             self.prefix_cache_hits.inc(dh)
         if stats.spec is not None:
             self._observe_spec(stats.spec)
+        if self.spec_enabled:
+            self._observe_choice(stats)
 
     def _observe_finished(self, fin: FinishedRequestStats) -> None:
         self.request_success.labels(self.model_name, fin.finish_reason).inc()
@@ -235,6 +252,16 @@ class Metrics:
         with self._lock:
             self._spec_window.add(spec)
             self._recent.append((time.monotonic(), spec.num_draft_tokens, spec.num_accepted_tokens))
+
+    def _observe_choice(self, stats: IterationStats) -> None:
+        for k in stats.spec_chosen_k:
+            self.chosen_k.observe(k)
+        if stats.num_scheduled_requests:  # idle reports carry no choice: keep the last step's numbers
+            drafting = sum(1 for k in stats.spec_chosen_k if k > 0)
+            self.num_drafting.set(drafting)
+            self.num_not_drafting.set(max(0, stats.num_running - drafting))
+        for term, seconds in (stats.spec_cost_estimates or {}).items():
+            self.cost_estimates.labels(self.model_name, term.removesuffix("_seconds")).set(seconds)
 
     # -- outputs -------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -5,9 +5,17 @@ input. Real servers with the real default model; faults come from the engine's t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +28,8 @@ COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MODEL = "SmolLM2-135M-Instruct"
 # Rare token ids used as fault triggers (kept out of the good prompts).
-TRIGGERS = {"raise_in_forward": 49100, "nan_logits": 49101, "bad_token": 49102, "proposer_error": 49103}
+TRIGGERS = {"raise_in_forward": 49100, "nan_logits": 49101, "bad_token": 49102, "proposer_error": 49103,
+            "detokenize_error": 49104}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -50,11 +59,11 @@ async def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Respon
 
 
 def _body(prompt: list[int], **kw: Any) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **kw}
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, **kw}
 
 
 def test_each_fault_fails_only_its_request_in_a_batch(faulty: RunningServer) -> None:
-    good = _prompts(faulty)
+    good = _prompts(faulty)[:2]  # a plain prompt and one that ngram drafts for
     alone = [httpx.post(faulty.url + COMP, json=_body(p), timeout=120).json()["choices"][0]["text"]
              for p in good]
     bad = {kind: good[0] + [tok] for kind, tok in TRIGGERS.items()}
@@ -68,6 +77,7 @@ def test_each_fault_fails_only_its_request_in_a_batch(faulty: RunningServer) -> 
     assert_openai_error(by_kind["raise_in_forward"], 500, contains="injected fault: raise_in_forward")
     assert_openai_error(by_kind["nan_logits"], 500, contains="non-finite logits")
     assert_openai_error(by_kind["bad_token"], 500, contains="outside the vocabulary")
+    assert_openai_error(by_kind["detokenize_error"], 500, contains="detokenization failed")
     # A failing proposer only turns speculation off for its request: the answer still comes, exact.
     proposer = by_kind["proposer_error"]
     assert proposer.status_code == 200, proposer.text
@@ -153,7 +163,11 @@ HOSTILE: list[tuple[str, str, dict[str, str] | None, bytes | str | None]] = [
     ("negative max_tokens", COMP, None, '{"model": "m", "prompt": "hi", "max_tokens": -5}'),
     ("giant max_tokens", COMP, None, '{"model": "m", "prompt": "hi", "max_tokens": 1e300}'),
     ("giant integer", COMP, None, '{"model": "m", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"),
+    ("max_tokens beyond the context", COMP, None, '{"model": "m", "prompt": "hi", "max_tokens": 1000000000}'),
     ("negative top_k", COMP, None, '{"model": "m", "prompt": "hi", "top_k": -7}'),
+    ("negative temperature", COMP, None, '{"model": "m", "prompt": "hi", "temperature": -1}'),
+    ("top_p above one", CHAT, None, '{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+                                    '"top_p": 1.5}'),
     ("token id out of vocabulary", COMP, None, '{"model": "m", "prompt": [1, 2, 99999999]}'),
     ("negative token id", COMP, None, '{"model": "m", "prompt": [1, -2]}'),
     ("wrong content type", COMP, {"content-type": "text/plain"}, "prompt=hi"),
@@ -191,7 +205,14 @@ def test_control_characters_and_many_stop_strings_are_served(server: RunningServ
     assert r.status_code == 200
 
 
-def test_prompt_lengths_at_the_limit(server: RunningServer) -> None:
+@pytest.fixture(scope="module")
+def short_context(make_server) -> Iterator[RunningServer]:  # noqa: ANN001
+    with make_server(max_model_len=160) as srv:  # a full-length prompt costs little to prefill
+        yield srv
+
+
+def test_prompt_lengths_at_the_limit(short_context: RunningServer) -> None:
+    server = short_context
     limit = server.core.max_model_len
     at = {"model": MODEL, "prompt": [1] * limit, "max_tokens": 1}
     assert_openai_error(httpx.post(server.url + COMP, json=at, timeout=60), 400, contains=str(limit))
@@ -216,3 +237,172 @@ def test_api_key_never_logged(make_server, caplog: pytest.LogCaptureFixture) -> 
     assert ok.status_code == 200 and wrong.status_code == 401
     assert caplog.messages, "nothing was logged: the check would prove nothing"
     assert key not in caplog.text and key[:-1] not in caplog.text
+
+
+# -- backpressure, cancellation bookkeeping, graceful shutdown ------------------------------------
+def test_backpressure_bounds_the_queue_under_a_burst(make_server) -> None:  # noqa: ANN001
+    limit, burst = 2, 24
+    with make_server(max_num_seqs=1, max_waiting_requests=limit) as srv:
+        peak = {"waiting": 0, "engine_waiting": 0}
+        stop = threading.Event()
+
+        def watch() -> None:  # the queue's size over the whole burst, not only at the end
+            while not stop.is_set():
+                peak["waiting"] = max(peak["waiting"], srv.client.num_waiting())
+                peak["engine_waiting"] = max(peak["engine_waiting"], len(srv.core.scheduler.waiting))
+                time.sleep(0.002)
+
+        async def scenario() -> tuple[list[httpx.Response], list[str]]:
+            long = _body([1, 2, 3, 4], max_tokens=48, stream=True)
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c, \
+                    c.stream("POST", COMP, json=long) as first:
+                lines = first.aiter_lines()
+                async for line in lines:  # the first request is running: every later one must queue
+                    if line.startswith("data: "):
+                        break
+                out = await asyncio.gather(*(c.post(COMP, json=_body([5, 6, 7], max_tokens=2))
+                                             for _ in range(burst)))
+                rest = [line async for line in lines if line.startswith("data: ")]
+            return out, rest
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            responses, rest = asyncio.run(scenario())
+        finally:
+            stop.set()
+            watcher.join()
+        ok = [r for r in responses if r.status_code == 200]
+        over = [r for r in responses if r.status_code != 200]
+        assert len(ok) >= limit and len(over) >= burst // 2, [r.status_code for r in responses]
+        for r in over:
+            assert assert_openai_error(r, 503)["code"] == "server_overloaded"
+            assert r.headers["retry-after"] == "1"
+        assert all(r.json()["usage"]["completion_tokens"] == 2 for r in ok)  # admitted ones all finish
+        assert rest[-1] == "data: [DONE]"
+        assert peak["waiting"] <= limit and peak["engine_waiting"] <= limit, peak
+        wait_for(srv.idle, timeout=5)
+
+
+def test_cancellation_keeps_prefix_refcounts_and_frees_draft_blocks(make_server) -> None:  # noqa: ANN001
+    # A draft model has a KV pool of its own: disconnects and timeouts must empty both pools, and
+    # an aborted request sharing cached prefix blocks must drop exactly its own references.
+    spec = {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 2}
+    with make_server(speculative_config=spec, request_timeout=6) as srv:
+        pool, draft_kv = srv.core.kv.pool, srv.core.proposer.kv
+        tok = srv.core.tokenizer
+        prefix = tok.encode("The quick brown fox jumps over the lazy dog. " * 8)[:48]  # 3 full blocks
+        a, b = prefix + tok.encode(" Count to ten:"), prefix + tok.encode(" Name three colours:")
+        ref = httpx.post(srv.url + COMP, json=_body(b, max_tokens=24), timeout=120).json()
+        ref_text = ref["choices"][0]["text"]
+        shared_seen: list[int] = []
+
+        async def drop_a_keep_b() -> str:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c, \
+                    contextlib.AsyncExitStack() as holder_a:
+                ra = await holder_a.enter_async_context(
+                    c.stream("POST", COMP, json=_body(a, max_tokens=400, stream=True)))
+                lines_a = ra.aiter_lines()
+                async with c.stream("POST", COMP, json=_body(b, max_tokens=24, stream=True)) as rb:
+                    text: list[str] = []
+                    async for line in rb.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                        if len(text) == 2:  # both running now: the prefix blocks have two holders
+                            async for la in lines_a:
+                                if la.startswith("data: "):
+                                    break
+                            shared_seen.append(sum(blk.ref_cnt == 2 for blk in pool.blocks))
+                            await holder_a.aclose()  # A's client goes away mid-stream
+                return "".join(text)
+
+        assert asyncio.run(drop_a_keep_b()) == ref_text  # B unharmed by A's abort
+        assert shared_seen and shared_seen[0] >= 3, shared_seen
+        slow = _body([1, 2, 3], max_tokens=1500)
+        assert assert_openai_error(httpx.post(srv.url + COMP, json=slow, timeout=60), 408)[
+            "code"] == "request_timeout"
+        wait_for(srv.idle, timeout=5)
+        assert all(blk.ref_cnt == 0 for blk in pool.blocks)  # no reference leaked, none freed twice
+        assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks
+        assert all(blk.ref_cnt == 0 for blk in draft_kv.pool.blocks)
+        again = httpx.post(srv.url + COMP, json=_body(b, max_tokens=24), timeout=120).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix)  # still cached
+        assert again["choices"][0]["text"] == ref_text
+        wait_for(srv.idle, timeout=5)
+        assert srv.client.alive
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path) -> None:
+    key, grace = "sk-shutdown-secret-93b2e7", 8.0
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {key}"}
+    log = tmp_path / "serve.log"
+    specserve = str(Path(sys.executable).parent / "specserve")
+    with log.open("w") as f:
+        proc = subprocess.Popen([specserve, "serve", "--port", str(port), "--max-model-len", "2048",
+                                 "--kv-cache-memory", "256MiB", "--log-level", "debug", "--api-key", key,
+                                 "--shutdown-timeout", str(grace), "--log-stats-interval", "1"],
+                                stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={k: v for k, v in os.environ.items() if k != "SPECSERVE_API_KEY"})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert httpx.post(url + COMP, json=_body([1, 2], max_tokens=2), timeout=30,
+                          headers={"Authorization": f"Bearer {key[:-1]}0"}).status_code == 401
+        streams: dict[str, list[str]] = {"short": [], "long": []}
+        ended: dict[str, float] = {}
+
+        def read(name: str, max_tokens: int) -> None:
+            body = _body([1, 2, 3, 4, 5], max_tokens=max_tokens, stream=True)
+            with httpx.stream("POST", url + COMP, json=body, headers=auth, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        streams[name].append(line[6:])
+            ended[name] = time.monotonic()
+
+        readers = [threading.Thread(target=read, args=a) for a in (("short", 4), ("long", 1900))]
+        for t in readers:
+            t.start()
+        wait_for(lambda: all(streams.values()) or len(ended) > 0, timeout=60)
+        assert not ended, "a stream ended before SIGTERM"
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        refused = False  # admissions stop at once, while the long request is still running
+        while not refused and time.monotonic() - t_term < grace - 1:
+            try:
+                r = httpx.post(url + COMP, json=_body([1, 2], max_tokens=2), headers=auth, timeout=5)
+                refused = r.status_code == 503
+            except httpx.TransportError:
+                refused = True
+            time.sleep(0.1)
+        assert refused and "long" not in ended
+        assert proc.wait(timeout=grace + 30) == 0
+        for t in readers:
+            t.join(10)
+        short, long = streams["short"], streams["long"]
+        assert short[-1] == "[DONE]", short
+        assert json.loads(short[-2])["choices"][0]["finish_reason"] == "length", short  # not cut off
+        assert all("error" not in json.loads(e) for e in short[:-1])
+        assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["code"] == "aborted", long[-3:]
+        assert ended["long"] - t_term >= grace - 0.5  # it got its grace period
+        text = log.read_text()
+        assert "stopped" in text and "Traceback" not in text
+        assert key not in text and key[:-1] not in text  # neither the key nor the wrong one is logged
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -117,7 +117,7 @@ def _run(srv: RunningServer, n: int) -> dict[str, Any]:
 
 
 def test_soak_quick(soak_server: RunningServer) -> None:
-    report = _run(soak_server, 300)
+    report = _run(soak_server, 200)
     assert all(report["kinds"].get(k, 0) > 0 for k in ("greedy", "stream", "disconnect", "sampled", "bad"))
 
 

@@ -29,6 +29,24 @@ class SpeculativeConfigError(ValueError):
     pass
 
 
+# "num_speculative_tokens": "auto" drafts at most this many tokens (adaptive.max_num_speculative_tokens
+# overrides it).
+_AUTO_MAX_K = {"ngram": 6, "suffix": 8, "draft_model": 4, "mtp": 3}
+
+
+class AdaptiveConfig(BaseModel):
+    """The `adaptive` block that comes with `"num_speculative_tokens": "auto"` (engine/spec/adaptive.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    max_num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    # Smoothing of the per-request, per-position acceptance estimate (weight of the newest verification).
+    acceptance_ema: float = Field(0.1, gt=0, le=1)
+    # A request that stopped drafting is re-probed after this many idle steps, then twice as many, ... until
+    # the controller chooses drafts for it again.
+    probe_interval: int = Field(4, ge=1)
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -40,6 +58,8 @@ class _Base(BaseModel):
     # entry with b <= max_batch_size, and none above the last entry.
     num_speculative_tokens_per_batch_size: list[list[int]] | None = None
     draft_tensor_parallel_size: Literal[1] | None = None
+    # Set when num_speculative_tokens was "auto"; num_speculative_tokens is then the most K can be.
+    adaptive: AdaptiveConfig | None = None
     max_model_len: int | None = Field(None, ge=16)
     revision: str | None = None
     quantization: str | None = None
@@ -187,7 +207,23 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> Any:
     if method in ("ngram", "suffix") and "model" in data and data["model"] not in (None, method):
         raise SpeculativeConfigError(f"invalid --speculative-config: model: method {method!r} takes no model")
     data = {k: v for k, v in data.items() if not (k == "model" and method in ("ngram", "suffix"))}
+    data = _resolve_auto(data)
     try:
         return _ADAPTER.validate_python(data)
     except ValidationError as e:
         raise SpeculativeConfigError(f"invalid --speculative-config: {_format(e)}") from None
+
+
+def _resolve_auto(data: dict[str, Any]) -> dict[str, Any]:
+    """`"num_speculative_tokens": "auto"` -> an adaptive block and K = its maximum."""
+    k = data.get("num_speculative_tokens")
+    if k != "auto":
+        if "adaptive" in data:
+            raise SpeculativeConfigError('invalid --speculative-config: adaptive: needs '
+                                         '"num_speculative_tokens": "auto"')
+        return data
+    adaptive = data.get("adaptive") or {}
+    if not isinstance(adaptive, dict):
+        raise SpeculativeConfigError("invalid --speculative-config: adaptive: expected an object")
+    max_k = adaptive.get("max_num_speculative_tokens") or _AUTO_MAX_K.get(str(data.get("method")), 4)
+    return {**data, "num_speculative_tokens": max_k, "adaptive": adaptive}

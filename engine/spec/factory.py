@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.models.loader import LoadedModel
+from engine.runner import ModelRunner
 from engine.spec.config import DraftModelConfig, MTPConfig, NgramConfig, SuffixConfig
 from engine.spec.proposer import Proposer
 
@@ -13,8 +14,7 @@ from engine.spec.proposer import Proposer
 def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> LoadedModel | None:
     """Load and check the draft model of a draft_model config (None for model-free methods)."""
     if isinstance(spec, MTPConfig):
-        raise ValueError("invalid --speculative-config: method: 'mtp' needs an MTP assistant checkpoint "
-                         "loader, which this build does not have yet")
+        return None  # the assistant reads the target's KV: loaded by build_proposer, next to the runner
     if not isinstance(spec, DraftModelConfig):
         return None
     from engine.models.loader import load_model
@@ -32,7 +32,8 @@ def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> Lo
     return draft
 
 
-def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_size: int) -> Proposer:
+def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_size: int,
+                   target: LoadedModel | None = None, runner: ModelRunner | None = None) -> Proposer:
     if isinstance(spec, NgramConfig):
         from engine.spec.ngram import NgramProposer
 
@@ -47,4 +48,15 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
 
         assert draft is not None
         return DraftModelProposer(draft, num_blocks, block_size)
+    if isinstance(spec, MTPConfig):
+        from engine.models.mtp_assistant import load_assistant
+        from engine.spec.mtp import MTPProposer
+
+        if target is None or runner is None:
+            raise ValueError("method 'mtp' needs the target model and its runner")
+        try:
+            assistant = load_assistant(spec.model, target)
+        except OSError as e:
+            raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
+        return MTPProposer(assistant, target, runner)
     raise ValueError(f"unsupported speculative method {spec.method!r}")

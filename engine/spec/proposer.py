@@ -17,6 +17,8 @@ class DraftRequest:
     token_ids: list[int]  # prompt + output, all confirmed (read-only: the request's own list)
     num_prompt_tokens: int
     num_drafts: int  # the most drafts wanted this step (>= 1)
+    # The target's block table (read-only): MTP assistants attend over the target's paged KV.
+    block_table: list[int] | None = None
 
 
 class Proposer(Protocol):

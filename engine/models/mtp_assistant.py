@@ -1,0 +1,272 @@
+"""MTP assistant checkpoints (Gemma4 `gemma4_assistant` / `gemma4_mtp`) as an MLX module.
+
+The assistant drafts from [target embedding of the newest token (scaled), target final hidden state
+of the row that produced it] -> `pre_projection` -> decoder layers that compute queries only and read
+the TARGET's paged KV (assistant layer i reads the last non-shared target layer of its attention
+type) -> final norm -> logits (tied embedding, or the ordered-embedding centroid head). The query sits
+at the newest token's position p and attends to target KV at positions <= p-1 (the newest token has no
+KV yet). `post_projection` maps the output back to the target width: fed back for drafts 2..K.
+No KV is written, so there is no extra KV memory. Architecture as in transformers'
+`models/gemma4_assistant` and vllm-metal's `v1/gemma4_mtp_model.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from engine.attention import AttentionMetadata, PagedKVCache
+from engine.models import adapter
+from engine.models.loader import LoadedModel
+
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_mtp")
+TARGET_TYPES = ("gemma4", "gemma4_text")
+
+
+class MTPAssistantError(ValueError):
+    pass
+
+
+def _fail(msg: str) -> MTPAssistantError:
+    return MTPAssistantError(f"invalid --speculative-config: model: {msg}")
+
+
+class ReadOnlyPagedCache(adapter.PagedLayerCache):
+    """A target layer's paged KV seen by an assistant layer: attention reads it, nothing is written."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+    def attention(self, queries: mx.array, scale: float) -> mx.array:
+        # queries: [N, H, 1, D] (one query row per request) -> [N, H, 1, D]
+        assert self.meta is not None
+        kb, vb = self.kv.blocks(self.layer)
+        n, h, _, d = queries.shape
+        out = self.attention_fn(queries.reshape(n, h, d), kb, vb, self.meta, scale, self.window)
+        return out.reshape(n, h, 1, d)
+
+
+def kv_source_layers(target_types: list[str], num_kv_shared: int, assistant_types: list[str]) -> list[int]:
+    """Target layer each assistant layer reads: the last non-KV-shared target layer of the same type."""
+    m = len(target_types) - num_kv_shared
+    last: dict[str, int] = {}
+    for i in range(m):
+        last[target_types[i]] = i
+    missing = sorted({t for t in assistant_types if t not in last})
+    if missing:
+        raise _fail(f"the target has no non-shared layer of attention type(s) {missing}")
+    return [last[t] for t in assistant_types]
+
+
+class _AssistantText(nn.Module):
+    """mlx-lm's Gemma4 decoder layers, every one KV-shared (queries only); mlx-lm's Gemma4TextModel
+    itself cannot be built without a KV-producing layer of each type."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        from mlx_lm.models.gemma4_text import DecoderLayer
+
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Gemma4Assistant(nn.Module):
+    """Weights: `text` (mlx-lm Gemma4TextModel, all layers KV-shared), the two projections, and the
+    optional centroid head (`centroids` + `token_ordering`)."""
+
+    def __init__(self, config: dict, text_args: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.text_args = text_args
+        self.text = _AssistantText(text_args)
+        hidden, backbone = text_args.hidden_size, int(config["backbone_hidden_size"])
+        self.pre_projection = nn.Linear(2 * backbone, hidden, bias=False)
+        self.post_projection = nn.Linear(hidden, backbone, bias=False)
+        self.use_ordered = bool(config.get("use_ordered_embeddings", False))
+        if self.use_ordered:
+            self.centroids = nn.Linear(hidden, int(config["num_centroids"]), bias=False)
+            self.token_ordering = mx.zeros((text_args.vocab_size,), dtype=mx.int32)
+        adapter.install(self.text.layers[0])  # route the gemma4_text module's attention to paged KV
+
+    def logits(self, h: mx.array) -> mx.array:
+        """h: [N, hidden] (after the final norm) -> [N, vocab]."""
+        emb = self.text.embed_tokens
+        if not self.use_ordered:
+            return emb.as_linear(h)
+        # Ordered-embedding head: score only the tokens of the top-k centroids; the rest get min - 1.
+        n_c = self.centroids.weight.shape[0]
+        vocab = emb.weight.shape[0]
+        top_k = int(self.config.get("centroid_intermediate_top_k", 32))
+        top = mx.argpartition(-self.centroids(h), kth=top_k - 1, axis=-1)[:, :top_k]  # [N, top_k]
+        per = self.token_ordering.astype(mx.int32).reshape(n_c, vocab // n_c)
+        cand = per[top].reshape(h.shape[0], -1)  # [N, top_k * vocab/n_c] canonical token ids
+        sel = (emb.weight[cand] * h[:, None, :]).sum(-1)  # [N, C]
+        fill = sel.min(axis=-1, keepdims=True) - 1.0  # per row: batching does not change a row's logits
+        out = mx.broadcast_to(fill, (h.shape[0], vocab)).astype(h.dtype)
+        return mx.put_along_axis(out, cand, sel, axis=-1)
+
+    def __call__(self, x: mx.array, positions: mx.array | int, caches: list[ReadOnlyPagedCache]
+                 ) -> tuple[mx.array, mx.array]:
+        """x: [N, 2 * backbone] = [scaled target embedding, target hidden]; positions: [N] query positions
+        (or one int). Returns (logits [N, vocab], post_projection output [N, backbone])."""
+        h = self.pre_projection(x)[:, None, :]  # [N, 1, hidden]: one row per request
+        dummy = (mx.zeros((1,)), mx.zeros((1,)))  # K/V come from the target cache inside attention
+        for layer, cache in zip(self.text.layers, caches, strict=True):
+            h, _, _ = layer(h, None, cache, per_layer_input=None, shared_kv=dummy, offset=positions)
+        h = self.text.norm(h[:, 0, :])
+        return self.logits(h), self.post_projection(h)
+
+
+def _read_weights(path: Path) -> dict[str, mx.array]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise _fail(f"no *.safetensors weights in {path}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def check_assistant_config(config: dict, target: nn.Module, target_config: dict) -> Any:
+    """Start-up checks (no fallback); returns the assistant's mlx-lm text args."""
+    from mlx_lm.models.gemma4_text import ModelArgs
+
+    mt = config.get("model_type")
+    if mt not in ASSISTANT_TYPES:
+        raise _fail(f"model_type {mt!r} is not an MTP assistant (expected one of {list(ASSISTANT_TYPES)})")
+    archs = config.get("architectures") or []
+    if archs and not any("Assistant" in a or "MTP" in a for a in archs):
+        raise _fail(f"architectures {archs} is not an MTP assistant architecture")
+    tmt = target_config.get("model_type")
+    if tmt not in TARGET_TYPES:
+        raise _fail(f"model_type mismatch: a {mt} assistant needs a gemma4 / gemma4_text target, "
+                    f"not {tmt!r}")
+    text = dict(config.get("text_config") or {})
+    n = int(text.get("num_hidden_layers", 0))
+    text["num_kv_shared_layers"] = n  # every assistant layer reads the target's KV
+    if text.get("enable_moe_block"):
+        raise _fail("MoE assistants (enable_moe_block) are not supported")
+    if text.get("hidden_size_per_layer_input") or text.get("vocab_size_per_layer_input"):
+        raise _fail("assistants with per-layer inputs (hidden_size_per_layer_input) are not supported")
+    if text.get("use_double_wide_mlp"):
+        raise _fail("assistants with use_double_wide_mlp are not supported")
+    targs = target.args
+    t_vocab = int(target_config.get("vocab_size") or targs.vocab_size)
+    if int(text.get("vocab_size", -1)) != t_vocab:
+        raise _fail(f"vocabulary size mismatch: assistant {text.get('vocab_size')} vs target {t_vocab}")
+    backbone = config.get("backbone_hidden_size")
+    if backbone != targs.hidden_size:
+        raise _fail(f"hidden size mismatch: assistant backbone_hidden_size {backbone} vs target hidden_size "
+                    f"{targs.hidden_size}")
+    args = ModelArgs.from_dict(text)
+    t_types = list(targs.layer_types)
+    if n > len(t_types) or args.layer_types != t_types[len(t_types) - n:]:
+        raise _fail(f"layer types {args.layer_types} do not match the tail of the target's layers "
+                    f"{t_types[len(t_types) - n:]}")
+    return args
+
+
+@dataclass
+class LoadedAssistant:
+    module: Gemma4Assistant  # or engine.models.mtp_trained.TrainedAssistant (same call signature)
+    target_layers: list[int]  # target KV layer each assistant layer reads
+    windows: list[int | None]  # sliding window per assistant layer
+    path: str
+
+
+def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
+    """Load + check an assistant folder against the target (start-up; raises MTPAssistantError)."""
+    folder = Path(path).expanduser()
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise _fail(f"{path!r} is not a folder with a config.json")
+    config = json.loads(cfg_file.read_text())
+    if config.get("model_type") == "specserve_mtp":
+        return _load_trained(folder, config, target)
+    targs = target.model.args
+    args = check_assistant_config(config, target.model, target.config)
+    sources = kv_source_layers(list(targs.layer_types), int(getattr(targs, "num_kv_shared_layers", 0) or 0),
+                               list(args.layer_types))
+    net = Gemma4Assistant(config, args)
+    n_kv, head_dim = adapter.kv_shape(target.model)
+    for i, layer in enumerate(net.text.layers):
+        attn = layer.self_attn
+        if attn.head_dim != head_dim or attn.n_kv_heads != n_kv or attn.n_heads % n_kv:
+            raise _fail(f"architecture mismatch: assistant layer {i} has head_dim {attn.head_dim}, "
+                        f"{attn.n_heads} heads and {attn.n_kv_heads} KV heads; the target KV it reads has "
+                        f"head_dim {head_dim} and {n_kv} KV heads")
+    raw = _read_weights(folder)
+    weights: dict[str, mx.array] = {}
+    for k, v in raw.items():
+        if k.startswith("model."):
+            weights["text." + k[len("model."):]] = v
+        elif k.startswith("masked_embedding."):
+            weights[k[len("masked_embedding."):]] = v
+        elif k == "lm_head.weight":
+            continue  # tied to model.embed_tokens
+        else:
+            weights[k] = v
+    if net.use_ordered:
+        weights["token_ordering"] = weights["token_ordering"].astype(mx.int32)
+    try:
+        net.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise _fail(f"architecture mismatch: weights of {path!r} do not match its config: {e}") from e
+    dtype = target.dtype
+    keep_int = tree_map_with_path(lambda k, v: v if k == "token_ordering" else v.astype(dtype),
+                                  net.parameters())
+    net.update(keep_int)
+    mx.eval(net.parameters())
+    windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
+    return LoadedAssistant(module=net, target_layers=sources, windows=windows, path=str(folder))
+
+
+def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssistant:
+    """A `specserve train-assistant` checkpoint: checked against the target it was trained on."""
+    from engine.models.mtp_trained import load_trained
+
+    targs = target.model.args
+    tmt = target.config.get("model_type")
+    if config.get("target_model_type") != tmt:
+        want = config.get("target_model_type")
+        raise _fail(f"model_type mismatch: the assistant was trained for a {want!r} target, not {tmt!r}")
+    if int(config["vocab_size"]) != target.vocab_size:
+        raise _fail(f"vocabulary size mismatch: assistant {config['vocab_size']} vs target "
+                    f"{target.vocab_size}")
+    if int(config["backbone_hidden_size"]) != targs.hidden_size:
+        raise _fail(f"hidden size mismatch: assistant backbone_hidden_size "
+                    f"{config['backbone_hidden_size']} vs target hidden_size {targs.hidden_size}")
+    n_kv, head_dim = adapter.kv_shape(target.model)
+    layer = int(config["target_layer"])
+    if not 0 <= layer < len(target.model.layers) or int(config["head_dim"]) != head_dim \
+            or int(config["num_attention_heads"]) % n_kv:
+        raise _fail(f"architecture mismatch: the assistant reads target layer {layer} with head_dim "
+                    f"{config['head_dim']}; the target has {len(target.model.layers)} layers, head_dim "
+                    f"{head_dim}, {n_kv} KV heads")
+    net = load_trained(folder, config, target.dtype)
+    return LoadedAssistant(module=net, target_layers=[layer], windows=[None], path=str(folder))  # type: ignore[arg-type]
+
+
+def make_caches(assistant: LoadedAssistant, kv: PagedKVCache, meta: AttentionMetadata,
+                attention_fn: Any = None) -> list[ReadOnlyPagedCache]:
+    """One read-only view of the target's paged KV per assistant layer, sharing this step's metadata."""
+    caches = []
+    for layer, window in zip(assistant.target_layers, assistant.windows, strict=True):
+        c = ReadOnlyPagedCache(kv, layer, window)
+        c.meta = meta
+        if attention_fn is not None:
+            c.attention_fn = attention_fn
+        caches.append(c)
+    return caches
+
+
+def set_metadata(caches: list[ReadOnlyPagedCache], meta: AttentionMetadata | None) -> None:
+    for c in caches:
+        c.meta = meta

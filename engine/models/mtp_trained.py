@@ -1,0 +1,121 @@
+"""A trained MTP assistant for llama-family targets (`model_type: specserve_mtp`).
+
+Same shape family as the Gemma4 assistant: [target embedding of the newest token, target final-norm
+hidden state] -> `pre_projection` -> one decoder layer whose attention computes queries only and reads
+one target layer's paged KV (keys strictly before the query position) -> final norm -> head. The head
+scores a reduced vocabulary (the most frequent tokens of the self-distilled data, `vocab_ids`) and is
+scattered back to full ids, so a draft step costs a few percent of a target step. `post_projection`
+maps the output back to the target width for drafts 2..K. Written by `specserve train-assistant`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+TRAINED_TYPE = "specserve_mtp"
+
+
+class QueryOnlyAttention(nn.Module):
+    def __init__(self, hidden: int, n_heads: int, head_dim: int, rope_theta: float,
+                 traditional: bool) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.rope = nn.RoPE(head_dim, traditional=traditional, base=rope_theta)
+        self.scale = head_dim**-0.5
+
+    def paged(self, x: mx.array, positions: mx.array | int, cache: Any) -> mx.array:
+        # x: [N, 1, hidden], one query per request; keys/values come from the target's paged KV.
+        n = x.shape[0]
+        q = self.q_proj(x).reshape(n, 1, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=positions)  # [N, H, 1, D]
+        o = cache.attention(q, self.scale)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, 1, -1))
+
+    def dense(self, x: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        """Training layout. x: [B, T, hidden] for query positions 1..T; keys/values: [B, Hkv, T, D] of
+        positions 0..T-1 (post-RoPE, as the target cached them). Query t sees keys 0..t-1 only."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=1)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask="causal")
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TrainedAssistant(nn.Module):
+    """Weights: projections, one query-only decoder layer, final norm, reduced-vocabulary head."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+        d, backbone = int(config["hidden_size"]), int(config["backbone_hidden_size"])
+        self.vocab_size = int(config["vocab_size"])
+        self.pre_projection = nn.Linear(2 * backbone, d, bias=False)
+        self.input_layernorm = nn.RMSNorm(d, eps=float(config["rms_norm_eps"]))
+        self.self_attn = QueryOnlyAttention(d, int(config["num_attention_heads"]), int(config["head_dim"]),
+                                            float(config["rope_theta"]), bool(config.get("rope_traditional")))
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=float(config["rms_norm_eps"]))
+        self.mlp = MLP(d, int(config["intermediate_size"]))
+        self.norm = nn.RMSNorm(d, eps=float(config["rms_norm_eps"]))
+        self.head = nn.Linear(d, int(config["head_size"]), bias=False)
+        self.post_projection = nn.Linear(d, backbone, bias=False)
+        self.vocab_ids = mx.zeros((int(config["head_size"]),), dtype=mx.int32)  # head row -> token id
+        self.freeze(keys=["vocab_ids"], recurse=False)
+
+    def _block(self, h: mx.array, attend: Any) -> mx.array:
+        h = h + attend(self.input_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def __call__(self, x: mx.array, positions: mx.array | int,
+                 caches: list[Any]) -> tuple[mx.array, mx.array]:
+        """x: [N, 2 * backbone] = [target embedding, target hidden]; positions: [N] query positions.
+        Returns (logits [N, vocab] with -inf outside the head's vocabulary, next hidden [N, backbone])."""
+        h = self.pre_projection(x)[:, None, :]  # [N, 1, d]
+        out = self._block(h, lambda y: self.self_attn.paged(y, positions, caches[0]))[:, 0, :]
+        sub = self.head(out)  # [N, head_size]
+        full = mx.full((x.shape[0], self.vocab_size), -mx.inf, dtype=sub.dtype)
+        full[:, self.vocab_ids] = sub
+        return full, self.post_projection(out)
+
+    def train_logits(self, x: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """x: [B, T, 2 * backbone] -> (head logits [B, T, head_size], next hidden [B, T, backbone])."""
+        out = self._block(self.pre_projection(x), lambda y: self.self_attn.dense(y, keys, values))
+        return self.head(out), self.post_projection(out)
+
+
+def save_trained(net: TrainedAssistant, folder: Path, dtype: mx.Dtype = mx.float16) -> None:
+    from mlx.utils import tree_flatten
+
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {k: (v if k == "vocab_ids" else v.astype(dtype)) for k, v in tree_flatten(net.parameters())}
+    weights["vocab_ids"] = net.vocab_ids
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(net.config, indent=1) + "\n")
+
+
+def load_trained(folder: Path, config: dict, dtype: mx.Dtype) -> TrainedAssistant:
+    net = TrainedAssistant(config)
+    weights = mx.load(str(folder / "model.safetensors"))
+    ids = weights.pop("vocab_ids").astype(mx.int32)
+    net.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=False)
+    net.vocab_ids = ids
+    mx.eval(net.parameters(), net.vocab_ids)
+    return net

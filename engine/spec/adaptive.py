@@ -1,0 +1,258 @@
+"""Adaptive speculation (`"num_speculative_tokens": "auto"`): each step, per request, pick the number
+of draft tokens (0 included) that maximises expected tokens per second of the whole step.
+
+Inputs, all learned online from the engine's own measurements:
+- `StepCostModel`: target step seconds as a function of the step's tokens, piecewise linear through a
+  smoothed point per token-count bucket of the engine's decode/verify steps (a prior line until two
+  buckets are known);
+- draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
+  draft_model), an exponential moving average;
+- `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
+  accepted given the ones before were, smoothed (EMA) and seeded by the method's running average.
+Requests that stop drafting are re-probed with one token after a doubling number of idle steps.
+
+Allocation is greedy by marginal value: a step making G expected tokens in C seconds gains the next
+draft token of a request if its acceptance probability g, over the marginal cost c (one more verified
+token plus its draft), beats the current rate: g / c > G / C. Under load (large C, large G) only
+confident drafts pass; at batch 1 with cheap verification most do. Pure Python, no arrays.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+# Probability assumed for a position the request has never reached (before any method average).
+_PRIOR_ACCEPT = 0.5
+
+
+class StepCostModel:
+    """Step seconds as a function of the step's tokens, learned from the engine's own steps.
+
+    The curve is not a line on a CPU: a few rows cost almost one row's weight streaming, more rows move
+    the matmuls into an efficient GEMM regime, and long prefill chunks are compute-bound. So the model
+    keeps a smoothed (tokens, seconds) point per token-count bucket (exact up to 8 tokens, then powers of
+    two) and interpolates between them, monotone, extrapolating with the outer segments' slopes; a prior
+    line stands in until two buckets are known."""
+
+    def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2,
+                 min_slope: float = 1e-5) -> None:
+        self.prior_fixed, self.prior_per_token = prior
+        self.ema = ema
+        self.min_slope = min_slope
+        self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, count]
+        self._points: list[tuple[float, float]] | None = None
+
+    @staticmethod
+    def _bucket(num_tokens: int) -> int:
+        return num_tokens if num_tokens <= 8 else 1 << (num_tokens - 1).bit_length()
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        b = self._buckets.get(self._bucket(num_tokens))
+        if b is None:
+            self._buckets[self._bucket(num_tokens)] = [float(num_tokens), seconds, 1.0]
+        else:
+            a = max(self.ema, 1.0 / (b[2] + 1))  # plain mean for the first few, then an EMA
+            b[0] += a * (num_tokens - b[0])
+            b[1] += a * (seconds - b[1])
+            b[2] += 1
+        self._points = None
+
+    def points(self) -> list[tuple[float, float]]:
+        if self._points is None:
+            pts = sorted((x, y) for x, y, _ in self._buckets.values())
+            mono, top = [], 0.0
+            for x, y in pts:  # more tokens never cost less
+                top = max(top, y)
+                mono.append((x, top))
+            self._points = mono
+        return self._points
+
+    def predict(self, num_tokens: float) -> float:
+        pts = self.points()
+        if not pts:
+            return self.prior_fixed + self.prior_per_token * num_tokens
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return max(0.0, y0 + self.prior_per_token * (num_tokens - x0))
+        if num_tokens <= pts[0][0]:
+            (x0, y0), (x1, y1) = pts[0], pts[1]
+        elif num_tokens >= pts[-1][0]:
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        else:
+            i = next(i for i in range(1, len(pts)) if pts[i][0] >= num_tokens)
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        slope = max((y1 - y0) / (x1 - x0), self.min_slope) if x1 > x0 else self.prior_per_token
+        return max(0.0, y0 + slope * (num_tokens - x0))
+
+    def marginal(self, num_tokens: float) -> float:
+        """Seconds one more token adds to a step of `num_tokens`."""
+        return max(self.predict(num_tokens + 1) - self.predict(num_tokens), self.min_slope)
+
+
+@dataclass(slots=True)
+class _RequestAcceptance:
+    p: list[float] = field(default_factory=list)  # P(accept position i | accepted 0..i-1)
+    seen: list[bool] = field(default_factory=list)  # position i verified for this request at least once
+    idle_steps: int = 0  # consecutive steps with K = 0
+    probe_after: int = 0  # re-probe once idle for this many steps (doubles per probe until drafting resumes)
+
+
+class AcceptanceEstimator:
+    def __init__(self, max_k: int, ema: float = 0.1, base_probe: int = 4, max_probe: int = 128) -> None:
+        self.max_k = max_k
+        self.ema = ema
+        self.base_probe = base_probe
+        self.max_probe = max_probe
+        # Method-wide running average per position: seeds new requests.
+        self.global_hits = [0] * max_k
+        self.global_tries = [0] * max_k
+        self._req: dict[str, _RequestAcceptance] = {}
+
+    def method_average(self, i: int) -> float:
+        tries = self.global_tries[i]
+        if tries:
+            return (self.global_hits[i] + _PRIOR_ACCEPT) / (tries + 1)
+        # A position no request has reached yet: like the one before it, not a flat prior that would
+        # keep K below it for good.
+        return self.method_average(i - 1) if i > 0 else _PRIOR_ACCEPT
+
+    def _state(self, request_id: str) -> _RequestAcceptance:
+        st = self._req.get(request_id)
+        if st is None:
+            st = self._req[request_id] = _RequestAcceptance(
+                p=[0.0] * self.max_k, seen=[False] * self.max_k, probe_after=self.base_probe)
+        return st
+
+    def probabilities(self, request_id: str) -> list[float]:
+        """Per position: the request's own estimate where it has evidence; else the method's running
+        average, read now (not frozen at admission); else the request's estimate one position back."""
+        st = self._state(request_id)
+        out: list[float] = []
+        for i in range(self.max_k):
+            if st.seen[i]:
+                out.append(st.p[i])
+            elif self.global_tries[i] or i == 0:
+                out.append(self.method_average(i))
+            else:
+                out.append(out[i - 1])
+        return out
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verification of `num_drafts` drafts accepted the first `num_accepted`."""
+        st = self._state(request_id)
+        a = self.ema
+        prior = self.probabilities(request_id)
+        for i in range(min(num_drafts, self.max_k)):
+            if i > num_accepted:
+                break  # later positions were never reached: no evidence about them
+            hit = 1.0 if i < num_accepted else 0.0
+            if not st.seen[i]:
+                st.p[i], st.seen[i] = prior[i], True
+            st.p[i] = (1 - a) * st.p[i] + a * hit
+            self.global_tries[i] += 1
+            self.global_hits[i] += int(hit)
+        if num_drafts > 0:
+            st.idle_steps = 0
+
+    def note_idle(self, request_id: str) -> bool:
+        """Count a step without drafts; True when the request is due a probe (the next one then waits
+        twice as long, until the request drafts by choice again)."""
+        st = self._state(request_id)
+        st.idle_steps += 1
+        if st.idle_steps < st.probe_after:
+            return False
+        st.probe_after = min(st.probe_after * 2, self.max_probe)
+        return True
+
+    def note_drafting(self, request_id: str) -> None:
+        """The controller chose drafts on the estimate alone: probing starts over from the base wait."""
+        self._state(request_id).probe_after = self.base_probe
+
+    def release(self, request_id: str) -> None:
+        self._req.pop(request_id, None)
+
+
+@dataclass(slots=True)
+class Candidate:
+    request_id: str
+    max_k: int  # what the request can take this step (length limits, static caps)
+
+
+class AdaptiveController:
+    def __init__(self, max_k: int, ema: float = 0.1, base_probe: int = 4) -> None:
+        self.max_k = max_k
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceEstimator(max_k, ema=ema, base_probe=base_probe)
+        self.draft_cost_per_token = 0.0  # seconds, EMA of the proposer's time per drafted token
+        self._draft_seen = False
+
+    # -- observations ----------------------------------------------------------------------------
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_draft(self, num_draft_tokens: int, seconds: float) -> None:
+        if num_draft_tokens <= 0:
+            return
+        per = seconds / num_draft_tokens
+        seen = self._draft_seen
+        self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per if seen else per
+        self._draft_seen = True
+
+    def observe_verification(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe(request_id, num_drafts, num_accepted)
+
+    def release(self, request_id: str) -> None:
+        self.acceptance.release(request_id)
+
+    # -- the choice ------------------------------------------------------------------------------
+    def choose(self, candidates: list[Candidate], base_tokens: int,
+               base_yield: int | None = None) -> list[int]:
+        """K per candidate for the next step. `base_tokens`: tokens the step computes without drafts
+        (decode rows + prefill chunks); `base_yield`: tokens it emits without drafts (default: one per
+        candidate)."""
+        ks = [0] * len(candidates)
+        if not candidates:
+            return ks
+        gain = float(base_yield if base_yield is not None else len(candidates))
+        tokens = base_tokens
+        cost = self.cost.predict(tokens)
+        probs = [self.acceptance.probabilities(c.request_id) for c in candidates]
+        # reach[j]: probability the request's next draft position is reached and accepted.
+        heap = [(-probs[j][0], j) for j, c in enumerate(candidates) if c.max_k > 0]
+        heapq.heapify(heap)
+        reach = [1.0] * len(candidates)
+        while heap:
+            neg_g, j = heapq.heappop(heap)
+            g = -neg_g
+            marginal = self.cost.marginal(tokens) + self.draft_cost_per_token
+            if g * cost <= gain * marginal:  # g / marginal <= gain / cost: no longer pays
+                break
+            ks[j] += 1
+            tokens += 1
+            gain += g
+            cost += marginal
+            reach[j] = g
+            if ks[j] < candidates[j].max_k:
+                heapq.heappush(heap, (-(reach[j] * probs[j][ks[j]]), j))
+        # Re-probe requests that have not drafted for a while, with one token: their estimate may be
+        # stale (the text turned repetitive), and the step time at more tokens may be unknown yet. Not
+        # when the draft alone costs more per token than the step's rate (a draft model as slow as the
+        # target): then no estimate can make drafting pay.
+        hopeless = gain * self.draft_cost_per_token >= cost
+        for j, c in enumerate(candidates):
+            if ks[j] > 0:
+                self.acceptance.note_drafting(c.request_id)
+            elif c.max_k > 0 and self.acceptance.note_idle(c.request_id) and not hopeless:
+                ks[j] = 1
+        return ks
+
+    def estimates(self) -> dict[str, float]:
+        """Current cost-model terms, for the metrics gauges: one-token step, the marginal token at 8 and
+        at 64 tokens, and the proposer's time per drafted token."""
+        c = self.cost
+        return {"step_1_token_seconds": c.predict(1), "step_per_token_at_8_seconds": c.marginal(8),
+                "step_per_token_at_64_seconds": c.marginal(64),
+                "draft_per_token_seconds": self.draft_cost_per_token}

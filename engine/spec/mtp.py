@@ -1,0 +1,73 @@
+"""MTP proposer: an assistant drafts from the target's own last hidden state and paged KV.
+
+The runner keeps, per request, the target's final-norm hidden state of the row that produced the
+newest token (`ModelRunner.mtp_hidden`); the assistant's queries sit at the newest token's position
+and attend over the target KV before it. K > 1 feeds `post_projection`'s output back as the next
+hidden state at the same position. Nothing is written to any KV cache, so nothing needs rollback.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.attention import build_metadata
+from engine.models.loader import LoadedModel
+from engine.models.mtp_assistant import LoadedAssistant, make_caches
+from engine.runner import ModelRunner
+from engine.spec.proposer import DraftRequest
+
+
+class MTPProposer:
+    def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner) -> None:
+        self.assistant = assistant
+        self.runner = runner
+        if runner.mtp_hidden is None:
+            runner.mtp_hidden = {}
+        self.hidden = runner.mtp_hidden
+        inner = getattr(target.model, "language_model", target.model).model
+        self.embed_tokens = inner.embed_tokens
+        self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return self.draft(requests)[0]
+
+    def draft(self, requests: list[DraftRequest],
+              keep_logits: bool = False) -> tuple[list[list[int]], list[mx.array]]:
+        """Drafts per request, and (keep_logits) the assistant logits per step [N_active, vocab]."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        active: list[tuple[int, DraftRequest, int, mx.array]] = []  # (index, request, position, hidden)
+        for i, r in enumerate(requests):
+            entry = self.hidden.get(r.request_id)
+            pos = len(r.token_ids) - 1
+            # The kept hidden state must be the one that produced the newest token (else no drafts).
+            if entry is None or entry[0] != pos or pos < 1 or r.block_table is None:
+                continue
+            active.append((i, r, pos, entry[1]))
+        if not active:
+            return drafts, []
+        kv = self.runner.kv
+        # Queries sit at `pos`; the mask is built one position earlier so keys stop at pos - 1
+        # (the newest token has no target KV yet) and a sliding window keeps the last w keys.
+        meta = build_metadata([(pos - 1, 1, r.block_table) for _, r, pos, _ in active], kv.block_size)
+        positions = meta.positions + 1  # [N] query positions (RoPE)
+        caches = make_caches(self.assistant, kv, meta)
+        toks = mx.array([r.token_ids[-1] for _, r, _, _ in active], dtype=mx.int32)
+        hidden = mx.stack([h for _, _, _, h in active])  # [N, backbone]
+        k_max = max(r.num_drafts for _, r, _, _ in active)
+        steps: list[mx.array] = []
+        all_logits: list[mx.array] = []
+        for _ in range(k_max):
+            embeds = self.embed_tokens(toks) * self.embed_scale
+            x = mx.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1)  # [N, 2 * backbone]
+            logits, hidden = self.assistant.module(x, positions, caches)
+            toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+            steps.append(toks)
+            if keep_logits:
+                all_logits.append(logits)
+        out = mx.stack(steps, axis=1).tolist()  # [N, k_max]
+        for (i, r, _, _), row in zip(active, out, strict=True):
+            drafts[i] = row[: r.num_drafts]
+        return drafts, all_logits
+
+    def release(self, request_id: str, finished: bool) -> None:
+        self.hidden.pop(request_id, None)

@@ -1,0 +1,137 @@
+"""Adaptive speculation vs static K, interleaved in one run (issue: "auto" must never lose).
+
+    python -m loadtests adaptive                  # ngram and draft_model, copy + mixed-temp, c = 1, 8, 16, 32
+    python -m loadtests adaptive --quick          # ngram only, copy + mixed-temp, c = 1 and 8
+
+Per method: no speculation, static K = 1, 2, 4, and "auto" (the method's adaptive block), all started
+at once and driven level by level in alternating order. Writes results/adaptive/adaptive.json,
+results.md (the ratio auto / max(off, best static K) at every point, and auto's single-stream speedup
+beside the best static one's) and one PNG per workload with every curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtests import plots, report
+from loadtests.matrix import MatrixConfig, run_matrix, started
+from loadtests.runner import Level
+from loadtests.servers import ServerSpec, default_model_folder, specserve_command
+
+STATIC_KS = (1, 2, 4)
+
+
+def method_configs(method: str, model_folder: str, mtp_model: str | None = None) -> dict[str, dict[str, Any]]:
+    base: dict[str, Any] = {"method": method}
+    if method == "ngram":
+        base |= {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    elif method == "draft_model":
+        base |= {"model": model_folder}  # the target as its own draft: the expensive-draft case
+    elif method == "mtp":
+        base |= {"model": mtp_model or model_folder}
+    out = {f"{method} k={k}": {**base, "num_speculative_tokens": k} for k in STATIC_KS}
+    out[f"{method} auto"] = {**base, "num_speculative_tokens": "auto",
+                             "adaptive": {"max_num_speculative_tokens": max(STATIC_KS)}}
+    return out
+
+
+def config(quick: bool, concurrency: list[int] | None = None,
+           workloads: list[str] | None = None) -> MatrixConfig:
+    levels = [Level(concurrency=c) for c in (concurrency or ((1, 8) if quick else (1, 8, 16, 32)))]
+    return MatrixConfig(workloads=workloads or ["copy", "mixed-temp"], levels=levels,
+                        max_tokens=48 if quick else 64,
+                        requests_per_slot=1, min_requests=3 if quick else 4, duration_s=30 if quick else 60,
+                        warmup=1)
+
+
+def summarize(runs: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
+    """One row per (method, workload, level): off, best static K, auto and the ratios."""
+    by = {(r["label"], r["workload"]): r for r in runs}
+    rows = []
+    for method in methods:
+        for wl in sorted({r["workload"] for r in runs}):
+            off = by.get(("off", wl))
+            auto = by.get((f"{method} auto", wl))
+            if off is None or auto is None:
+                continue
+            for i, lvl in enumerate(off["levels"]):
+                def tput(label: str, i: int = i, wl: str = wl) -> float:
+                    run = by.get((label, wl))
+                    return (run["levels"][i]["output_throughput_tok_s"] or 0.0) if run else 0.0
+
+                statics = {k: tput(f"{method} k={k}") for k in STATIC_KS}
+                best_k = max(statics, key=lambda k: statics[k])
+                t_off, t_auto = tput("off"), tput(f"{method} auto")
+                best = max(t_off, statics[best_k])
+                rows.append({"method": method, "workload": wl, "concurrency": lvl["concurrency"],
+                             "off": t_off, "best_static_k": best_k, "best_static": statics[best_k],
+                             "auto": t_auto, "auto_vs_best": t_auto / best if best else None,
+                             "auto_vs_off": t_auto / t_off if t_off else None,
+                             "best_static_vs_off": statics[best_k] / t_off if t_off else None})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"Measured {meta['date']} ({meta['wall_s']:.0f} s, load average "
+             f"{meta['load_average_start']:.1f} at the start); output tokens/s per level, all servers "
+             "interleaved. Target: auto >= 0.98x max(off, best static K) everywhere.", "",
+             "| method | workload | conc | off | best static K | best static | auto | auto / max(off, best) "
+             "| auto / off | best static / off |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['workload']} | {r['concurrency']} | {r['off']:.1f} | "
+                     f"{r['best_static_k']} | {r['best_static']:.1f} | {r['auto']:.1f} | "
+                     f"{_f(r['auto_vs_best'])} | {_f(r['auto_vs_off'])} | {_f(r['best_static_vs_off'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    t0, load = time.monotonic(), os.getloadavg()[0]
+    folder = default_model_folder()
+    default = ["ngram"] if args.quick else ["ngram", "draft_model"]
+    methods = args.methods.split(",") if args.methods else default
+    modes: dict[str, dict[str, Any] | None] = {"off": None}
+    for m in methods:
+        modes |= method_configs(m, folder, args.mtp_model)
+    specs = [ServerSpec(label=label, command=specserve_command(cfg)) for label, cfg in modes.items()]
+    out = Path(args.output_dir or ("results/tmp/adaptive-quick" if args.quick else "results/adaptive"))
+    cfg = config(args.quick, [int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
+                 args.workloads.split(",") if args.workloads else None)
+    # `timeout` and kill send SIGTERM: exit through `started`'s cleanup, or the servers outlive us.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with started(specs, out / "logs") as (up, down):
+        runs = run_matrix(up, cfg)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": time.monotonic() - t0,
+            "load_average_start": load, "unavailable": down,
+            "command": " ".join(["python -m loadtests", *sys.argv[1:]])}
+    rows = summarize(runs, methods)
+    doc = report.result_document("adaptive", cfg.to_json(), runs, {**meta, "summary": rows})
+    report.write_json(doc, out / "adaptive.json", keep_requests=False)
+    plots.plot_by_workload(runs, out, title="specserve: adaptive K vs static K;")
+    md = markdown(rows, meta)
+    (out / "results.md").write_text(md)
+    print(md)
+    print(json.dumps({"wrote": str(out)}))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("adaptive", help='"num_speculative_tokens": "auto" vs static K, interleaved',
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="ngram only, c = 1 and 8")
+    p.add_argument("--methods", default=None, help="comma-separated: ngram,suffix,draft_model,mtp")
+    p.add_argument("--mtp-model", default=None, help="MTP assistant checkpoint for --methods ...,mtp")
+    p.add_argument("--concurrency", default=None, help="levels, e.g. 1,8,16,32 (quick: 1,8)")
+    p.add_argument("--workloads", default=None, help="comma-separated (default copy,mixed-temp)")
+    p.add_argument("--output-dir", default=None)
+    p.set_defaults(func=run)

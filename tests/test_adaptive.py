@@ -1,0 +1,262 @@
+"""Adaptive speculation: the controller on synthetic costs and acceptances, then `"auto"` through the real
+engine (greedy output exact, metrics exposed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.spec.adaptive import AcceptanceEstimator, AdaptiveController, Candidate, StepCostModel
+
+
+def controller(fixed: float, per_token: float, accept: float, max_k: int = 8, draft: float = 0.0,
+               requests: int = 1) -> tuple[AdaptiveController, list[Candidate]]:
+    """A controller that has seen a perfectly linear machine and `requests` requests whose drafts are
+    each accepted with probability `accept` (independently per position, stopping at the first miss)."""
+    c = AdaptiveController(max_k, ema=0.02)  # slow EMA: the estimate settles on the true rate
+    for n in (1, 2, 4, 8, 16, 32):
+        for _ in range(3):
+            c.observe_step(n, fixed + per_token * n)
+    if draft:
+        c.observe_draft(10, 10 * draft)
+    rng = random.Random(0)
+    cands = [Candidate(f"r{i}", max_k) for i in range(requests)]
+    for cand in cands:
+        for _ in range(400):
+            accepted = 0
+            while accepted < max_k and rng.random() < accept:
+                accepted += 1
+            c.observe_verification(cand.request_id, max_k, accepted)
+    return c, cands
+
+
+def test_cost_model_interpolates_a_concave_curve_and_stays_monotone() -> None:
+    m = StepCostModel()
+    assert m.predict(1) == pytest.approx(0.042)  # the prior line before any step is seen
+    curve = {1: 0.040, 2: 0.044, 4: 0.052, 8: 0.060, 16: 0.064, 32: 0.080, 512: 2.0}
+    for _ in range(5):
+        for n, t in curve.items():
+            m.observe(n, t)
+    for n, t in curve.items():
+        assert m.predict(n) == pytest.approx(t, rel=1e-6)
+    assert m.predict(12) == pytest.approx(0.062)  # between the 8 and 16 buckets
+    assert m.marginal(10) == pytest.approx(0.0005) and m.marginal(100) > m.marginal(10)
+    assert m.predict(1024) > m.predict(512)  # extrapolated with the last segment's slope
+    noisy = StepCostModel()
+    for n, t in ((1, 0.05), (8, 0.04)) * 3:  # a busy machine: more tokens measured cheaper
+        noisy.observe(n, t)
+    assert noisy.predict(8) >= noisy.predict(1) and noisy.marginal(4) > 0
+
+
+def test_acceptance_estimate_is_per_position_and_conditional() -> None:
+    est = AcceptanceEstimator(max_k=4, ema=0.5)
+    for _ in range(10):
+        est.observe("a", 4, 1)  # position 0 always accepted, position 1 always rejected
+    p = est.probabilities("a")
+    assert p[0] > 0.99 and p[1] < 0.01
+    assert p[2] == p[1] and p[3] == p[1]  # never reached by anyone: like the position before it
+    # A new request starts from the method's running averages, not from scratch.
+    fresh = est.probabilities("b")
+    assert fresh[0] > 0.9 and fresh[1] < 0.1 and fresh[2] == fresh[1]
+    # Another request reaches position 2 and is always right there: "a", which never reached it, now
+    # reads the method's average (live, not frozen when "a" was admitted); its own evidence stays.
+    for _ in range(10):
+        est.observe("c", 4, 3)
+    p = est.probabilities("a")
+    assert p[2] > 0.9 and p[1] < 0.01
+
+
+def test_picks_zero_when_drafting_cannot_pay() -> None:
+    # Verification costs as much per token as a whole step and drafts are mostly wrong.
+    c, cands = controller(fixed=0.010, per_token=0.030, accept=0.1)
+    assert c.choose(cands, base_tokens=1) == [0]
+    # A draft model as expensive as the target (self-draft on a CPU) never pays, even when always right.
+    c, cands = controller(fixed=0.035, per_token=0.007, accept=1.0, draft=0.041)
+    assert c.choose(cands, base_tokens=1) == [0]
+
+
+def test_picks_the_largest_k_when_acceptance_is_one_and_verification_nearly_free() -> None:
+    c, cands = controller(fixed=0.040, per_token=0.0001, accept=1.0, max_k=6)
+    assert c.choose(cands, base_tokens=1) == [6]
+
+
+def test_moves_with_load_and_with_acceptance() -> None:
+    # Same machine, same 0.75 acceptance: drafts at batch 1, stops drafting at batch 32.
+    c, one = controller(fixed=0.035, per_token=0.007, accept=0.75, max_k=4)
+    k1 = c.choose(one, base_tokens=1)[0]
+    c32, many = controller(fixed=0.035, per_token=0.007, accept=0.75, max_k=4, requests=32)
+    k32 = c32.choose(many, base_tokens=32)
+    assert k1 >= 2 and sum(k32) < k1 * 32 / 4
+    # Acceptance collapses for one request: its K falls to 0 while the other keeps drafting.
+    c, two = controller(fixed=0.035, per_token=0.007, accept=0.9, max_k=4, requests=2)
+    for _ in range(150):
+        c.observe_verification("r1", 4, 0)
+    ks = c.choose(two, base_tokens=2)
+    assert ks[0] >= 2 and ks[1] == 0
+
+
+def simulate(conc: int, accept: float, steps: int, k: int | None = None) -> tuple[float, float]:
+    """A cold controller (or static K) on a concave CPU-like machine, t(n) = 41 ms * n^0.33:
+    (tokens per second, mean K over the last half)."""
+    rng = random.Random(1)
+    c = AdaptiveController(4)
+    cands = [Candidate(f"r{i}", 4) for i in range(conc)]
+    toks, secs, late_k = 0, 0.0, []
+    for step in range(steps):
+        ks = c.choose(cands, conc) if k is None else [k] * conc
+        n = conc + sum(ks)
+        dt = 0.041 * n ** 0.33 * rng.uniform(0.9, 1.1)
+        c.observe_step(n, dt)
+        secs += dt
+        for cand, kk in zip(cands, ks, strict=True):
+            a = 0
+            while a < kk and rng.random() < accept:
+                a += 1
+            c.observe_verification(cand.request_id, kk, a)
+            toks += 1 + a
+        if step >= steps // 2:
+            late_k.append(sum(ks) / conc)
+    return toks / secs, sum(late_k) / len(late_k)
+
+
+@pytest.mark.parametrize("conc", [1, 8, 32])
+def test_learns_from_cold_to_near_the_best_static_k(conc: int) -> None:
+    # Nothing known at the start (prior cost line, prior acceptance): it must explore its way to K near 4
+    # where drafts are nearly always right, and stay near 0 where they rarely are.
+    for accept, lo, hi in ((0.9, 3.0, 4.0), (0.2, 0.0, 0.6)):
+        tput, mean_k = simulate(conc, accept, 200)
+        best = max(simulate(conc, accept, 200, k)[0] for k in (0, 1, 2, 4))
+        assert lo <= mean_k <= hi and tput >= 0.93 * best, (accept, mean_k, tput / best)
+
+
+def test_requests_that_cannot_draft_still_count_in_the_step_rate() -> None:
+    # 8 decoding requests, 4 of them greedy: the 4 sampled ones also emit a token per step, so the
+    # step's rate is higher and drafts must clear a higher bar than with 4 requests alone.
+    c, greedy = controller(fixed=0.035, per_token=0.007, accept=0.6, max_k=4, requests=4)
+    alone = c.choose(greedy, base_tokens=8, base_yield=4)
+    mixed = c.choose(greedy, base_tokens=8, base_yield=8)
+    assert sum(mixed) < sum(alone) and all(m <= a for m, a in zip(mixed, alone, strict=True))
+
+
+def test_idle_request_is_reprobed_with_backoff() -> None:
+    c, _ = controller(fixed=0.035, per_token=0.007, accept=0.0, max_k=4)
+    new = [Candidate("new", 4)]  # starts from the method's average: drafts never pay
+    probes = []
+    for step in range(100):
+        k = c.choose(new, base_tokens=1)[0]
+        if k:
+            probes.append(step)
+            c.observe_verification("new", k, 0)  # each probe fails
+    assert len(probes) >= 2
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # waits grow after repeated failures
+
+
+def test_probes_back_off_even_when_accepted_and_stop_when_hopeless() -> None:
+    # The target as its own draft on a CPU: always accepted, but a draft token costs about a whole
+    # step, so probes keep finding "accepted, still not worth it": they must grow ever rarer.
+    c, cands = controller(fixed=0.035, per_token=0.007, accept=1.0, max_k=4, draft=0.041)
+    probes = []
+    for step in range(200):
+        k = c.choose(cands, base_tokens=1)[0]
+        if k:
+            probes.append(step)
+            c.observe_verification("r0", k, k)
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert 2 <= len(probes) <= 7 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
+    # A draft slower per token than the whole step: no probe at all.
+    c, cands = controller(fixed=0.035, per_token=0.007, accept=1.0, max_k=4, draft=0.050)
+    assert all(c.choose(cands, base_tokens=1) == [0] for _ in range(50))
+    # Cheap drafts with the same history are taken at once.
+    c, cands = controller(fixed=0.035, per_token=0.007, accept=1.0, max_k=4, draft=0.0005)
+    assert c.choose(cands, base_tokens=1) == [4]
+
+
+def test_respects_per_request_caps() -> None:
+    c, _ = controller(fixed=0.040, per_token=0.0001, accept=1.0, max_k=6)
+    cands = [Candidate("r0", 2), Candidate("r1", 0)]
+    assert c.choose(cands, base_tokens=2) == [2, 0]
+
+
+# -- "auto" through the real engine ------------------------------------------------------------------
+AUTO = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": "auto", "prompt_lookup_min": 2,
+              "prompt_lookup_max": 5},
+    "draft_model": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": "auto",
+                    "adaptive": {"max_num_speculative_tokens": 3}},
+}
+
+
+def test_auto_config_parses_and_static_keys_still_validate() -> None:
+    from engine.spec.config import SpeculativeConfigError, parse_speculative_config
+
+    spec = parse_speculative_config({**AUTO["ngram"], "adaptive": {"max_num_speculative_tokens": 5}})
+    assert spec.adaptive is not None and spec.num_speculative_tokens == 5
+    assert parse_speculative_config(AUTO["ngram"]).num_speculative_tokens == 6  # the method's default cap
+    assert parse_speculative_config({**AUTO["ngram"], "disable_by_batch_size": 4}).tokens_for_batch(5) == 0
+    for bad, key in [({**AUTO["ngram"], "adaptive": {"bogus": 1}}, "adaptive.bogus"),
+                     ({**AUTO["ngram"], "num_speculative_tokens": 3, "adaptive": {}}, "adaptive"),
+                     ({**AUTO["ngram"], "num_speculative_tokens": "fast"}, "num_speculative_tokens"),
+                     ({**AUTO["ngram"], "adaptive": {"acceptance_ema": 0}}, "acceptance_ema")]:
+        with pytest.raises(SpeculativeConfigError, match=key):
+            parse_speculative_config(bad)
+
+
+@pytest.mark.parametrize("method", list(AUTO))
+def test_auto_is_exact_at_batch_1_and_4(method: str) -> None:
+    from tests.helpers import default_model, make_llm
+    from tests.test_spec import GREEDY, assert_pool_full, plain, prompts
+
+    cfg = dict(AUTO[method])
+    if cfg.get("model") == "<target>":
+        cfg["model"] = default_model().path
+    llm = make_llm(speculative_config=cfg)
+    ps, ref = prompts()[-5:], plain()[-5:]  # chat and copy-heavy prompts
+    drafted = 0
+    for bs in (1, 4):
+        for i in range(0, len(ps), bs):
+            for o, r in zip(llm.generate(ps[i:i + bs], GREEDY), ref[i:i + bs], strict=True):
+                assert o.token_ids == r
+                drafted += o.spec_num_draft_tokens
+    if method == "ngram":
+        assert drafted > 0, "auto never drafted on copy-heavy prompts"
+    est = llm.core.adaptive.estimates()
+    assert est["step_1_token_seconds"] > 0 and est["step_per_token_at_8_seconds"] > 0
+    assert_pool_full(llm)
+
+
+def test_auto_metrics_exposed(make_server) -> None:  # noqa: ANN001
+    import httpx
+
+    with make_server(speculative_config=AUTO["ngram"]) as srv:
+        text = "red green blue red green blue red green blue red green blue"
+        r = httpx.post(f"{srv.base_url}/completions", timeout=120, json={
+            "model": srv.client.model_name, "prompt": f"Repeat: {text}\n{text}\n", "max_tokens": 24,
+            "temperature": 0})
+        assert r.status_code == 200
+        scrape = httpx.get(srv.url + "/metrics").text
+    assert "specserve:spec_decode_chosen_num_speculative_tokens_count" in scrape
+    assert 'specserve:spec_decode_num_requests{drafting="true"' in scrape
+    assert 'term="step_1_token"' in scrape
+    count = next(float(line.split()[-1]) for line in scrape.splitlines()
+                 if line.startswith("specserve:spec_decode_chosen_num_speculative_tokens_count"))
+    assert count >= 10  # one observation per request-step that could draft
+
+
+def test_benchmark_summary_ratios() -> None:
+    from loadtests.adaptive import STATIC_KS, markdown, summarize
+
+    def run(label: str, wl: str, tputs: list[float]) -> dict:
+        return {"label": label, "workload": wl, "levels": [
+            {"concurrency": c, "output_throughput_tok_s": t} for c, t in zip((1, 8), tputs, strict=True)]}
+
+    runs = [run("off", "copy", [10.0, 20.0]), run("ngram auto", "copy", [19.0, 21.0])]
+    runs += [run(f"ngram k={k}", "copy", [10.0 + 5 * i, 22.0 - i]) for i, k in enumerate(STATIC_KS)]
+    rows = summarize(runs, ["ngram"])
+    assert [(r["concurrency"], r["best_static_k"]) for r in rows] == [(1, 4), (8, 1)]
+    assert rows[0]["auto_vs_best"] == pytest.approx(19.0 / 20.0)
+    assert rows[1]["auto_vs_best"] == pytest.approx(21.0 / 22.0)
+    assert rows[0]["auto_vs_off"] == pytest.approx(1.9)
+    md = markdown(rows, {"date": "d", "wall_s": 1.0, "load_average_start": 0.5})
+    assert "| ngram | copy | 1 | 10.0 | 4 | 20.0 | 19.0 | 0.95 |" in md

@@ -1,0 +1,224 @@
+"""MTP (Gemma4 assistant) speculative decoding: tiny random-weight target + assistant pairs built with
+transformers' own classes, loaded by specserve; draft logits match transformers' reference forward,
+greedy output with MTP equals without, and each start-up check names its mismatch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention import PagedKVCache
+from engine.llm import LLM
+from engine.models import adapter
+from engine.models.loader import default_model_folder, load_model
+from engine.models.mtp_assistant import MTPAssistantError, load_assistant
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.spec.mtp import MTPProposer
+from engine.spec.proposer import DraftRequest
+from tests.helpers import CHATS
+
+torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install torch==2.13.0) "
+                                            "is needed to build the transformers reference models")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 49152  # SmolLM2's tokenizer files
+TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+COMMON = dict(vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+              hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, sliding_window=8,
+              final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def _patch_config(folder: Path, extra: dict[str, Any], text: bool) -> None:
+    # transformers folds global_head_dim into per_layer_config and does not write it; mlx-lm reads it.
+    cfg = json.loads((folder / "config.json").read_text())
+    (cfg["text_config"] if text else cfg).update(extra)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _scale(model: Any) -> None:
+    with torch.no_grad():  # larger weights make greedy choices far from ties
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+
+
+def make_pair(root: Path, seed: int = 0, ordered: bool = False,
+              **assistant_overrides: Any) -> tuple[Path, Path, Any, Any]:
+    from transformers import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantForCausalLM,
+        Gemma4ForCausalLM,
+        Gemma4TextConfig,
+    )
+
+    torch.manual_seed(seed)
+    tcfg = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            layer_types=list(TYPES), num_kv_shared_layers=0, **COMMON)
+    target = Gemma4ForCausalLM(tcfg).eval()
+    _scale(target)
+    tdir = root / "target"
+    target.save_pretrained(tdir)
+    _patch_config(tdir, {"global_head_dim": 16}, text=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_folder(progress=False) / name, tdir / name)
+
+    text = dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=TYPES[-2:],
+                num_kv_shared_layers=2)
+    text.update(assistant_overrides.pop("text", {}))
+    acfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text), backbone_hidden_size=64,
+                                 use_ordered_embeddings=ordered, num_centroids=64,
+                                 centroid_intermediate_top_k=4, **assistant_overrides)
+    # transformers 5.23's kv_sharing_modes raises when every layer is shared (the assistant's case:
+    # no layer produces KV); every assistant layer reuses the target's KV, so say exactly that.
+    orig = Gemma4TextConfig.kv_sharing_modes
+
+    def all_reuse(self: Any) -> list[str | None]:
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return orig.fget(self)
+
+    Gemma4TextConfig.kv_sharing_modes = property(all_reuse)
+    try:
+        assistant = Gemma4AssistantForCausalLM(acfg).eval()
+    finally:
+        Gemma4TextConfig.kv_sharing_modes = orig
+    _scale(assistant)
+    if ordered:
+        assistant.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
+    adir = root / "assistant"
+    assistant.save_pretrained(adir)
+    _patch_config(adir, {"global_head_dim": 16}, text=True)
+    return tdir, adir, target, assistant
+
+
+def reference_drafts(target: Any, assistant: Any, ids: list[int], k: int) -> list[np.ndarray]:
+    """transformers' MTP loop (SinglePositionMultiTokenCandidateGenerator): target KV of ids[:-1], the
+    final-norm hidden that produced ids[-1], a constant query position, post_projection fed back."""
+    from transformers import DynamicCache
+
+    p = len(ids) - 1
+    with torch.no_grad():
+        cache = DynamicCache()  # no config: every layer keeps its full-length KV
+        out = target.model(input_ids=torch.tensor([ids[:p]]), past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state[:, -1:]
+        last = {t: i for i, t in enumerate(TYPES)}
+        shared = {t: (cache.layers[i].keys, cache.layers[i].values) for t, i in last.items()}
+        tok = torch.tensor([[ids[-1]]])
+        logits_out = []
+        for _ in range(k):
+            emb = target.model.embed_tokens(tok)
+            o = assistant(inputs_embeds=torch.cat([emb, hidden], dim=-1), position_ids=torch.tensor([[p]]),
+                          attention_mask=torch.ones(1, p, dtype=torch.long), shared_kv_states=shared)
+            logits_out.append(o.logits[0, -1].numpy())
+            tok = o.logits.argmax(dim=-1)
+            hidden = o.last_hidden_state
+    return logits_out
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["tied-head", "centroid-head"])
+def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
+    tdir, adir, hf_target, hf_assistant = make_pair(tmp_path, ordered=ordered)
+    loaded = load_model(str(tdir), dtype="float32", progress=False)
+    n_kv, hd = adapter.kv_shape(loaded.model)
+    kv = PagedKVCache(len(loaded.model.layers), 16, 8, n_kv, hd, mx.float32)
+    runner = ModelRunner(loaded.model, kv)
+    assistant = load_assistant(str(adir), loaded)
+    assert assistant.target_layers == [2, 3]  # the last sliding and the last full target layer
+    prop = MTPProposer(assistant, loaded, runner)
+    tok = loaded.tokenizer
+    prompts = [tok.encode(CHATS[0])[:21], tok.encode(CHATS[1])[:6]]  # past the window of 8, and inside it
+    tables = [[3, 5, 7, 9], [0, 1]]
+    reqs = []
+    for i, (ids, table) in enumerate(zip(prompts, tables, strict=True)):
+        h = runner.forward_chunks([(ids[:-1], 0, table, 1)])
+        runner.mtp_hidden[f"r{i}"] = (len(ids) - 1, h[0])  # type: ignore[index]
+        reqs.append(DraftRequest(f"r{i}", ids, len(ids), 3, table))
+    for batch in ([reqs[0]], [reqs[1]], reqs):
+        drafts, logits = prop.draft(batch, keep_logits=True)
+        for j, r in enumerate(batch):
+            ref = reference_drafts(hf_target, hf_assistant, r.token_ids, 3)
+            for step in range(3):
+                ours, want = np.array(logits[step][j]), ref[step]
+                scale = float(np.abs(want).max())
+                # The centroid head fills unscored tokens with (batch min - 1): compare scored tokens,
+                # and require the unscored ones below every scored one.
+                scored = want > want.min() if ordered else np.ones_like(want, dtype=bool)
+                np.testing.assert_allclose(ours[scored], want[scored], rtol=1e-4, atol=1e-4 * scale)
+                if ordered:
+                    assert 0 < scored.sum() < len(want) and ours[~scored].max() < ours[scored].min()
+            assert drafts[j] == [int(np.argmax(x)) for x in ref]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int) -> None:
+    tdir, adir, _, _ = make_pair(tmp_path, seed=1)
+    loaded = load_model(str(tdir), dtype="float32", progress=False)
+    kw = dict(kv_cache_memory="64MiB", max_model_len=512, block_size=8, show_progress=False)
+    plain = LLM(loaded=loaded, **kw)
+    cfg = {"method": "mtp", "model": str(adir), "num_speculative_tokens": k}
+    spec = LLM(loaded=loaded, speculative_config=cfg, **kw)
+    prompts = [loaded.tokenizer.encode(t) for t in CHATS[:4]]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, greedy)]
+    outs = spec.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == ref
+    # The random assistant's drafts are rejected, so back-off skips steps (2, then 4, ...); drafting
+    # resumes after each skip, which needs the kept hidden row to track plain decode steps too.
+    assert all(o.spec_num_draft_tokens >= 4 * k for o in outs), [o.spec_num_draft_tokens for o in outs]
+    # Mixed with a sampled request in the same batch: greedy rows still match exactly.
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    mixed = spec.generate(prompts[:2] + prompts[:1], [greedy, greedy, sampled])
+    assert [o.token_ids for o in mixed[:2]] == ref[:2]
+    assert spec.core.kv.num_free_blocks == spec.core.kv.pool.num_blocks
+    assert not spec.core.runner.mtp_hidden  # released with the requests
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"text": {"vocab_size": VOCAB - 8}}, "vocabulary size mismatch"),
+    ({"backbone_hidden_size": 48}, "hidden size mismatch"),
+    ({"text": {"layer_types": ["full_attention", "full_attention"]}}, "do not match the tail"),
+    ({"text": {"enable_moe_block": True, "num_experts": 2, "top_k_experts": 1, "moe_intermediate_size": 16}},
+     "MoE"),
+    ({"text": {"hidden_size_per_layer_input": 8}}, "per-layer inputs"),
+    ({"text": {"num_key_value_heads": 1}}, "architecture mismatch"),
+])
+def test_startup_checks_name_the_mismatch(tmp_path: Path, override: dict[str, Any], message: str) -> None:
+    tdir, adir, _, _ = make_pair(tmp_path)
+    cfg = json.loads((adir / "config.json").read_text())
+    for key, value in override.items():
+        if key == "text":
+            cfg["text_config"].update(value)
+        else:
+            cfg[key] = value
+    (adir / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(tdir), dtype="float32", progress=False)
+    with pytest.raises(MTPAssistantError, match=message):
+        load_assistant(str(adir), loaded)
+    # The engine refuses at start-up too: no fallback to plain decoding.
+    with pytest.raises(ValueError, match=message):
+        LLM(loaded=loaded, speculative_config={"method": "mtp", "model": str(adir)}, kv_cache_memory="16MiB",
+            max_model_len=256, block_size=8, show_progress=False)
+
+
+def test_wrong_model_type_and_target(tmp_path: Path) -> None:
+    tdir, adir, _, _ = make_pair(tmp_path)
+    loaded = load_model(str(tdir), dtype="float32", progress=False)
+    cfg = json.loads((adir / "config.json").read_text())
+    (adir / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+    with pytest.raises(MTPAssistantError, match="model_type 'llama' is not an MTP assistant"):
+        load_assistant(str(adir), loaded)
+    (adir / "config.json").write_text(json.dumps(dict(cfg, model_type="gemma4_mtp")))
+    assert load_assistant(str(adir), loaded).target_layers == [2, 3]  # the alias is accepted
+    from engine.models.loader import LoadedModel
+
+    smol_like = LoadedModel(loaded.model, loaded.tokenizer, dict(loaded.config, model_type="llama"), "x", "x",
+                            "folder", mx.float32)
+    with pytest.raises(MTPAssistantError, match="model_type mismatch"):
+        load_assistant(str(adir), smol_like)

@@ -1,0 +1,89 @@
+"""`specserve train-assistant` on a tiny random llama: data from the real engine, resumable training,
+and a checkpoint that `method: mtp` loads and serves with exact greedy output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.llm import LLM
+from engine.models.loader import load_model
+from engine.models.mtp_assistant import load_assistant
+from engine.sampling import SamplingParams
+from engine.spec.train_assistant import TrainSettings, train_assistant
+from tests.test_models import make_tiny_folder
+
+
+def _settings(steps: int) -> TrainSettings:
+    return TrainSettings(max_tokens=12, samples_per_prompt=2, head_size=256, steps=steps, batch_size=2,
+                         save_every=3, max_prompts=3)
+
+
+def test_train_resume_and_serve(tmp_path: Path) -> None:
+    target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
+    out = tmp_path / "assistant"
+    first = train_assistant(target, out, s=_settings(3), progress=False)
+    assert first["sequences"] == 6 and first["head_size"] <= 256
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    before = mx.load(str(out / "checkpoint" / "model.safetensors"))["self_attn.q_proj.weight"]
+    mx.eval(before)  # mx.load is lazy: read it before the file is rewritten
+    # Resume: reuses the generated data and continues from step 3 to 6.
+    second = train_assistant(target, out, s=_settings(6), progress=False)
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 6
+    assert second["sequences"] == 6
+    after = mx.load(str(out / "checkpoint" / "model.safetensors"))["self_attn.q_proj.weight"]
+    assert not mx.array_equal(before, after).item()  # training went on
+
+    assistant = load_assistant(str(out), target)
+    assert assistant.target_layers == [len(target.model.layers) - 1]
+    kw = dict(kv_cache_memory="32MiB", max_model_len=256, block_size=8, show_progress=False)
+    plain = LLM(loaded=target, **kw)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 11]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, greedy)]
+    for k in (1, 3):
+        spec = LLM(loaded=target, speculative_config={"method": "mtp", "model": str(out),
+                                                      "num_speculative_tokens": k}, **kw)
+        outs = spec.generate(prompts, greedy)
+        assert [o.token_ids for o in outs] == ref
+        assert sum(o.spec_num_draft_tokens for o in outs) > 0
+
+
+
+def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> None:
+    """Through the real server: /metrics per-position counters equal the counts that
+    tools/benchmark/spec_benchmark.py collects from the engine's stats, for the same greedy requests
+    run one at a time (tiny target + an assistant trained for a few steps)."""
+    import httpx
+
+    from tests.conftest import run_server
+    from tests.test_server_spec import spec_counters
+    from tools.benchmark.spec_benchmark import run_batch
+
+    target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
+    out = tmp_path / "assistant"
+    train_assistant(target, out, s=_settings(4), progress=False)
+    cfg = {"method": "mtp", "model": str(out), "num_speculative_tokens": 3}
+    kw = dict(kv_cache_memory="32MiB", max_model_len=256, block_size=8)
+    llm = LLM(loaded=target, speculative_config=cfg, show_progress=False, **kw)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 11]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    bench = [run_batch(llm, [p], greedy, f"b{i}") for i, p in enumerate(prompts)]
+    per_pos = [sum(b["spec"]["accepted_per_position"][i] for b in bench
+                   if i < len(b["spec"]["accepted_per_position"])) for i in range(3)]
+    drafts = sum(b["spec"]["num_drafts"] for b in bench)
+    assert drafts > 0
+    with run_server(target, speculative_config=cfg, **kw) as srv:
+        for p in prompts:
+            r = httpx.post(srv.base_url + "/completions", json={
+                "model": srv.client.model_name, "prompt": p, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text
+        got = spec_counters(srv.url)
+    assert got["vllm:spec_decode_num_drafts_total"] == drafts
+    accepted = sum(b["spec"]["num_accepted_tokens"] for b in bench)
+    assert got["vllm:spec_decode_num_accepted_tokens_total"] == accepted
+    key = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [got.get(f"{key}[{i}]", 0.0) for i in range(3)] == per_pos
