@@ -23,7 +23,7 @@ from typing import Any
 from loadtests import plots, report
 from loadtests.matrix import MatrixConfig, run_matrix, started
 from loadtests.runner import Level
-from loadtests.servers import ServerSpec, default_model_folder, specserve_command
+from loadtests.servers import DEFAULT_MTP_ASSISTANT, ServerSpec, default_model_folder, specserve_command
 
 STATIC_KS = (1, 2, 4)
 
@@ -35,7 +35,7 @@ def method_configs(method: str, model_folder: str, mtp_model: str | None = None)
     elif method == "draft_model":
         base |= {"model": model_folder}  # the target as its own draft: the expensive-draft case
     elif method == "mtp":
-        base |= {"model": mtp_model or model_folder}
+        base |= {"model": mtp_model or DEFAULT_MTP_ASSISTANT}
     out = {f"{method} k={k}": {**base, "num_speculative_tokens": k} for k in STATIC_KS}
     out[f"{method} auto"] = {**base, "num_speculative_tokens": "auto",
                              "adaptive": {"max_num_speculative_tokens": max(STATIC_KS)}}

@@ -22,6 +22,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 MLXLM_VENV = REPO / ".venv-mlxlm"
+# The MTP assistant trained for the default model by `specserve train-assistant` (committed).
+DEFAULT_MTP_ASSISTANT = str(REPO / "configs" / "assistants" / "smollm2-135m-mtp")
 
 
 @dataclass

@@ -4,11 +4,12 @@
     python -m loadtests suite --quick             # off vs ngram, one workload, under 3 minutes
 
 Full mode starts specserve with no speculation, ngram, suffix, draft_model (the target as its own
-draft) and mtp (reported as unavailable while the build has no MTP loader), plus mlx_lm.server from a
-side venv (.venv-mlxlm, created on first use) on a float32 copy of the same weights, and runs single
-stream and 8/16/32 concurrency on each workload. Outputs go to results/loadtests/: suite.json (summaries),
-one PNG per workload, results.md (the tables); --update-readme copies results.md into README.md
-between the loadtests markers. Per-request records go to results/tmp/loadtests/.
+draft) and mtp (the committed assistant, configs/assistants/smollm2-135m-mtp, K = 1), plus
+mlx_lm.server from a side venv (.venv-mlxlm, created on first use) on a float32 copy of the same
+weights, and runs single stream and 8/16/32 concurrency on each workload. Outputs go to
+results/loadtests/: suite.json (summaries), one PNG per workload, results.md (the tables);
+--update-readme copies results.md into README.md between the loadtests markers. Per-request
+records go to results/tmp/loadtests/.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from typing import Any
 from loadtests import plots, report
 from loadtests.matrix import MatrixConfig, run_matrix, started
 from loadtests.runner import Level
-from loadtests.servers import REPO, ServerSpec, default_model_folder, mlxlm_spec, specserve_command
+from loadtests.servers import (
+    DEFAULT_MTP_ASSISTANT,
+    REPO,
+    ServerSpec,
+    default_model_folder,
+    mlxlm_spec,
+    specserve_command,
+)
 
 README_START = "<!-- loadtests:results:start -->"
 README_END = "<!-- loadtests:results:end -->"
@@ -38,7 +46,7 @@ def spec_modes(model_folder: str) -> dict[str, dict[str, Any] | None]:
         "suffix": {"method": "suffix", "num_speculative_tokens": 8},
         # The target as its own draft: acceptance is ~1 for greedy, so this measures the method's cost.
         "draft_model": {"method": "draft_model", "model": model_folder, "num_speculative_tokens": 3},
-        "mtp": {"method": "mtp", "model": model_folder, "num_speculative_tokens": 1},
+        "mtp": {"method": "mtp", "model": DEFAULT_MTP_ASSISTANT, "num_speculative_tokens": 1},
     }
 
 

@@ -79,7 +79,8 @@ def _help(field: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server on MLX.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,prepare,train-assistant}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{serve,prepare,train-assistant,train-draft}")
 
     serve = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -108,10 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--out", required=True, help="output folder (checkpoint/ and data/ go inside)")
     train.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
-    train.add_argument("--steps", type=int, default=600)
+    train.add_argument("--steps", type=int, default=2500)
+    train.add_argument("--max-prompts", type=int, default=1536, help="prompts used from the set (0: all)")
+    train.add_argument("--mix-sampled", action="store_true",
+                       help="answer odd prompts with sampling (default: greedy only, as drafting sees)")
     train.add_argument("--head-size", type=int, default=4096, help="reduced vocabulary of the head")
     train.add_argument("--max-tokens", type=int, default=96, help="tokens generated per answer")
     train.add_argument("--seed", type=int, default=0)
+    draft = sub.add_parser("train-draft", help="distil a small draft model for MODEL (method: draft_model)",
+                           description="The target's first layers, trained on the text the target writes "
+                                       "itself. Resumable: rerun to continue.")
+    draft.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    draft.add_argument("--out", required=True, help="output folder (a Hugging Face-layout model)")
+    draft.add_argument("--data", default=None,
+                       help="reuse generated text: a sequences.jsonl written by train-assistant/train-draft")
+    draft.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
+    draft.add_argument("--num-layers", type=int, default=4, help="target layers the draft keeps")
+    draft.add_argument("--steps", type=int, default=600)
+    draft.add_argument("--max-prompts", type=int, default=1536, help="prompts used from the set (0: all)")
+    draft.add_argument("--max-tokens", type=int, default=96, help="tokens generated per answer")
+    draft.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -291,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from engine.spec.train_assistant import main_cli
 
         return main_cli(args)
+    if args.command == "train-draft":
+        from engine.spec.train_draft import main_cli as draft_cli
+
+        return draft_cli(args)
     try:
         settings = resolve_settings(args)
     except ValueError as e:

@@ -18,7 +18,7 @@ from tests.test_models import make_tiny_folder
 
 def _settings(steps: int) -> TrainSettings:
     return TrainSettings(max_tokens=12, samples_per_prompt=2, head_size=256, steps=steps, batch_size=2,
-                         save_every=3, max_prompts=3)
+                         save_every=3, max_prompts=3, eval_every=2, eval_fraction=0.5)
 
 
 def test_train_resume_and_serve(tmp_path: Path) -> None:
@@ -26,6 +26,10 @@ def test_train_resume_and_serve(tmp_path: Path) -> None:
     out = tmp_path / "assistant"
     first = train_assistant(target, out, s=_settings(3), progress=False)
     assert first["sequences"] == 6 and first["head_size"] <= 256
+    # Half the sequences are held out and measured at steps 2 and 3; the best step's weights are kept.
+    assert first["held_out_sequences"] == 3 and set(first["held_out_top1"]) == {"2", "3"}
+    assert all(0.0 <= v <= 1.0 for v in first["held_out_top1"].values())
+    assert first["held_out_top1"][str(first["kept_step"])] == max(first["held_out_top1"].values())
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
     before = mx.load(str(out / "checkpoint" / "model.safetensors"))["self_attn.q_proj.weight"]
     mx.eval(before)  # mx.load is lazy: read it before the file is rewritten

@@ -7,6 +7,10 @@ Variants (no speculation, MTP with each K, optionally a draft model) share one l
 interleaved prompt by prompt, one request at a time, so machine load hits them alike. Per-position
 acceptance is counted from the engine's stats (`spec_benchmark.run_batch`); greedy token ids must be
 identical across variants (checked).
+
+With `--check-metrics`, each speculative variant is then served by a real `specserve serve` on loopback
+and the same prompts are sent one at a time through `/v1/completions`; the deltas of `/metrics`'
+`vllm:spec_decode_*` counters (per position included) must equal the offline run's own counts.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--assistant", default=str(ROOT / "configs" / "assistants" / "smollm2-135m-mtp"))
-    p.add_argument("--k", default="1,3", help="comma-separated num_speculative_tokens values")
+    p.add_argument("--k", default="1,3", help="comma-separated num_speculative_tokens values ('auto' too)")
     p.add_argument("--draft-model", default=None, help="also run method draft_model with this model")
     p.add_argument("--prompts", default=str(ROOT / "configs" / "train_prompts_heldout.jsonl"))
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--check-metrics", action="store_true",
+                   help="serve each speculative variant and compare /metrics deltas with the offline counts")
     args = p.parse_args(argv)
 
     import engine  # noqa: F401 - MKL before mlx
@@ -40,13 +46,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     target = load_model(None, dtype="float32", progress=False)
     kw: dict[str, Any] = dict(kv_cache_memory="512MiB", max_model_len=2048, show_progress=False)
-    variants: dict[str, Any] = {"baseline": LLM(loaded=target, **kw)}
-    for k in [int(x) for x in args.k.split(",") if x]:
-        cfg = {"method": "mtp", "model": args.assistant, "num_speculative_tokens": k}
-        variants[f"mtp-k{k}"] = LLM(loaded=target, speculative_config=cfg, **kw)
+    configs: dict[str, dict[str, Any]] = {}
+    for k in [x.strip() for x in args.k.split(",") if x.strip()]:
+        base = {"method": "mtp", "model": args.assistant}
+        if k == "auto":  # the adaptive controller, K up to 3
+            configs["mtp-auto"] = {**base, "num_speculative_tokens": "auto",
+                                   "adaptive": {"max_num_speculative_tokens": 3}}
+        else:
+            configs[f"mtp-k{k}"] = {**base, "num_speculative_tokens": int(k)}
     if args.draft_model:
-        cfg = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 3}
-        variants["draft_model-k3"] = LLM(loaded=target, speculative_config=cfg, **kw)
+        configs["draft_model-k3"] = {"method": "draft_model", "model": args.draft_model,
+                                     "num_speculative_tokens": 3}
+    variants: dict[str, Any] = {"baseline": LLM(loaded=target, **kw)}
+    for name, cfg in configs.items():
+        variants[name] = LLM(loaded=target, speculative_config=cfg, **kw)
     lines = Path(args.prompts).read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     texts = texts[: args.num_prompts]
@@ -89,13 +102,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         acc = ", ".join(f"{x:.2f}" for x in row["acceptance_per_position"]) or "-"
         print(f"{row['variant']:<16}{row['tokens_per_s']:>8.2f}{row['speedup']:>8.2f}x{row['drafts']:>8}  "
               f"[{acc}]  {row['greedy_identical_to_baseline']}")
+    print()
+    print(markdown(rows))
+    checks = {}
+    if args.check_metrics:
+        variants.clear()  # the offline engines (and their KV caches) go before servers start
+        for row in rows[1:]:
+            if configs[row["variant"]]["num_speculative_tokens"] == "auto":
+                continue  # K follows live step timings: a second run drafts differently by design
+            checks[row["variant"]] = metrics_check(configs[row["variant"]], prompts, args.max_tokens, row)
+            print(f"/metrics vs offline counts, {row['variant']}: {checks[row['variant']]}")
     doc = {"benchmark": "specserve.mtp_benchmark", "command": [sys.executable, "-m",
                                                              "tools.benchmark.mtp_benchmark", *sys.argv[1:]],
-           "assistant": args.assistant, "prompts": texts, "max_tokens": args.max_tokens, "results": rows}
+           "assistant": args.assistant, "prompts": texts, "max_tokens": args.max_tokens, "results": rows,
+           "metrics_check": checks}
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0 if all(r["greedy_identical_to_baseline"] for r in rows) else 1
+    ok = all(r["greedy_identical_to_baseline"] for r in rows) and all(c["agree"] for c in checks.values())
+    return 0 if ok else 1
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | tok/s | speedup | drafts | acceptance per position | mean acceptance length | "
+             "greedy identical |", "|---|---:|---:|---:|---|---:|---|"]
+    for r in rows:
+        acc = ", ".join(f"{x:.2f}" for x in r["acceptance_per_position"]) or "-"
+        length = f"{1 + sum(r['accepted_per_position']) / r['drafts']:.2f}" if r["drafts"] else "-"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['drafts']} | "
+                     f"{acc} | {length} | {'yes' if r['greedy_identical_to_baseline'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def metrics_check(cfg: dict[str, Any], prompts: list[list[int]], max_tokens: int,
+                  row: dict[str, Any]) -> dict[str, Any]:
+    """Serve `cfg`, send the prompts one at a time, and diff the server's spec-decode counters."""
+    import httpx
+
+    from loadtests.prom import parse_spec_counters
+    from loadtests.servers import ServerProcess, ServerSpec, specserve_command
+
+    spec = ServerSpec("mtp-check", specserve_command(cfg, kv_cache_memory="512MiB"))
+    with ServerProcess(spec, Path("results/tmp/mtp_benchmark_server.log")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=600) as client:
+        before = parse_spec_counters(client.get("/metrics").text)
+        for prompt in prompts:
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0, "ignore_eos": True})
+            r.raise_for_status()
+        after = parse_spec_counters(client.get("/metrics").text)
+    if before is None or after is None:
+        return {"agree": False, "error": "no vllm:spec_decode_* series in /metrics"}
+    d = after.minus(before)
+    server = {"drafts": int(d.drafts), "draft_tokens": int(d.draft_tokens),
+              "accepted_per_position": [int(d.per_pos[p]) for p in sorted(d.per_pos)]}
+    offline = {"drafts": row["drafts"], "draft_tokens": row["draft_tokens"],
+               "accepted_per_position": row["accepted_per_position"]}
+    # The server exposes every position up to K; positions nothing was accepted at count 0 there.
+    n = len(server["accepted_per_position"])
+    offline["accepted_per_position"] = (offline["accepted_per_position"] + [0] * n)[:n]
+    return {"agree": server == offline, "server": server, "offline": offline}
 
 
 if __name__ == "__main__":

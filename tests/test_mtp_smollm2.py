@@ -1,0 +1,42 @@
+"""The committed MTP assistant for the default model (configs/assistants/smollm2-135m-mtp, written by
+`specserve train-assistant`): greedy output with MTP at K = 1 and K = 3 equals decoding without it, at
+batch 1 and at batch 8 mixed with seeded sampled requests, and the assistant's drafts are accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.llm import LLM
+from engine.models.loader import load_model
+from engine.sampling import SamplingParams
+from tests.helpers import CHATS
+
+ASSISTANT = Path(__file__).resolve().parents[1] / "configs" / "assistants" / "smollm2-135m-mtp"
+
+
+@pytest.fixture(scope="module")
+def target():  # noqa: ANN201 - LoadedModel
+    return load_model(None, dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_trained_assistant_is_exact_at_batch_1_and_8(target, k: int) -> None:  # noqa: ANN001
+    kw = dict(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False)
+    plain = LLM(loaded=target, **kw)
+    spec = LLM(loaded=target, speculative_config={"method": "mtp", "model": str(ASSISTANT),
+                                                  "num_speculative_tokens": k}, **kw)
+    prompts = [plain.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS[:8]]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=7 + i, ignore_eos=True) for i in range(2)]
+    # Batch 1: one greedy request alone.
+    one = spec.generate(prompts[:1], greedy)
+    assert one[0].token_ids == plain.generate(prompts[:1], greedy)[0].token_ids
+    assert one[0].spec_num_accepted_tokens > 0  # the trained assistant does predict the target
+    # Batch 8: six greedy requests and two seeded sampled ones in the same steps.
+    params = [greedy] * 6 + sampled
+    ref, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(o.spec_num_drafts == 0 for o in got[6:])  # sampled requests never draft
+    assert sum(o.spec_num_accepted_tokens for o in got[:6]) > 0
