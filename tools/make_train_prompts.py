@@ -63,10 +63,10 @@ TOPICS = """DNA|Mars|Shakespeare|airplanes|antibiotics|baking bread|bicycles|bla
 
 
 def build() -> list[str]:
-    src = ROOT / "configs" / "train_prompts.jsonl"
-    held = {json.loads(line)["prompt"] for line in (ROOT / "configs" / "train_prompts_heldout.jsonl")
-            .read_text().splitlines() if line.strip()}
-    original = [json.loads(line)["prompt"] for line in src.read_text().splitlines() if line.strip()]
+    from engine.spec.train_assistant import read_prompts
+
+    held = set(read_prompts(ROOT / "configs" / "train_prompts_heldout.jsonl"))
+    original = read_prompts(ROOT / "configs" / "train_prompts.jsonl")
     shapes = [re.compile(re.escape(t).replace(r"\{\}", ".+")) for t in TEMPLATES]
     hand = [p for p in original if not any(s.fullmatch(p) for s in shapes)]  # free-form, kept as is
     topics = [t.strip() for t in TOPICS.replace("\n", "").split("|") if t.strip()]

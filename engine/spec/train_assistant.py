@@ -275,8 +275,11 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     # Every n-th sequence (by length, so short and long alike) is held out: top-1 agreement there is the
     # first draft's acceptance rate on greedy text, and picks the checkpoint that is kept.
     step_n = max(2, round(1 / s.eval_fraction)) if s.eval_fraction > 0 else 0
-    held = [f for i, f in enumerate(feats) if step_n and i % step_n == step_n // 2]
-    feats = [f for i, f in enumerate(feats) if not (step_n and i % step_n == step_n // 2)]
+    held: list[dict[str, mx.array]] = []
+    train: list[dict[str, mx.array]] = []
+    for i, f in enumerate(feats):
+        (held if step_n and i % step_n == step_n // 2 else train).append(f)
+    feats = train
     counts = Counter(t for f in feats for t in f["labels"].tolist())
     head_ids = [t for t, _ in counts.most_common(s.head_size)]
     coverage = sum(counts[t] for t in head_ids) / max(1, sum(counts.values()))

@@ -97,12 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "accepted_per_position": r["accepted_per_position"],
                      "acceptance_per_position": [round(x, 3) for x in per_pos],
                      "greedy_identical_to_baseline": r["token_ids"] == base["token_ids"]})
-    print(f"{'variant':<16}{'tok/s':>8}{'speedup':>9}{'drafts':>8}  acceptance per position  identical")
-    for row in rows:
-        acc = ", ".join(f"{x:.2f}" for x in row["acceptance_per_position"]) or "-"
-        print(f"{row['variant']:<16}{row['tokens_per_s']:>8.2f}{row['speedup']:>8.2f}x{row['drafts']:>8}  "
-              f"[{acc}]  {row['greedy_identical_to_baseline']}")
-    print()
     print(markdown(rows))
     checks = {}
     if args.check_metrics:
