@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ class BlasInfo:
     name: str  # "mkl", "openblas", "reference", "accelerate", "custom"
     path: str | None
     reason: str
+    # The small-M GEMM in front of the BLAS (engine/small_gemm.py): "rows 1-8", or why it is off.
+    small_gemm: str = "off"
 
 
 _selected: BlasInfo | None = None
@@ -46,12 +49,33 @@ def _find_openblas() -> str | None:
     return next((p for p in _DEBIAN_OPENBLAS if os.path.exists(p)), None)
 
 
-def _load(path: str) -> bool:
+def _load(path: str) -> tuple[bool, str]:
+    """Load the BLAS into the global symbol scope, the small-M GEMM ahead of it when it can be used.
+    -> (loaded, small-GEMM status)."""
     try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     except OSError:
-        return False
-    return True
+        return False, "off"
+    if not hasattr(lib, "cblas_sgemm"):
+        return False, "off"
+    status = _small_gemm_before(lib)
+    # Promoting the BLAS to global after the kernel keeps the kernel first in the lookup order:
+    # libmlx binds cblas_sgemm to it, and every other BLAS/LAPACK symbol to this library.
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return True, status
+
+
+def _small_gemm_before(lib: ctypes.CDLL) -> str:
+    from engine import small_gemm
+
+    why = small_gemm.unsupported_reason()
+    if why is not None:
+        return f"off ({why})"
+    try:
+        max_m = small_gemm.load_before(lib)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return f"off (build failed: {e})"
+    return f"rows 1-{max_m}" if max_m else "off (no AVX-512F: calls forwarded)"
 
 
 def select_blas() -> BlasInfo:
@@ -79,8 +103,11 @@ def select_blas() -> BlasInfo:
     else:
         candidates = [("custom", choice)]
     for name, path in candidates:
-        if path and _load(path):
-            _selected = BlasInfo(name, path, f"SPECSERVE_BLAS={choice}")
+        if not path:
+            continue
+        loaded, small = _load(path)
+        if loaded:
+            _selected = BlasInfo(name, path, f"SPECSERVE_BLAS={choice}", small)
             return _selected
     if choice not in ("auto",):
         raise RuntimeError(f"SPECSERVE_BLAS={choice!r}: library not found or not loadable")

@@ -229,8 +229,8 @@ def serve(settings: ServerSettings) -> int:
     logger.info("model %s (%s), served as %s, dtype %s, max_model_len %d", loaded.name, loaded.path,
                 ", ".join(client.served_model_names), str(loaded.dtype).removeprefix("mlx.core."),
                 core.max_model_len)
-    logger.info("backend: mlx %s on %s, BLAS %s%s", mx.__version__, mx.default_device(), blas.name,
-                f" ({blas.path})" if blas.path else f" ({blas.reason})")
+    logger.info("backend: mlx %s on %s, BLAS %s%s, small-M GEMM %s", mx.__version__, mx.default_device(),
+                blas.name, f" ({blas.path})" if blas.path else f" ({blas.reason})", blas.small_gemm)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", core.kv.pool.num_blocks, core.kv.block_size,
                 core.kv.pool.num_blocks * core.kv.block_size)
     if settings.speculative_config:

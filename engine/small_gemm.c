@@ -1,0 +1,147 @@
+// Small-M float32 GEMM placed in front of the BLAS that MLX calls (see engine/small_gemm.py).
+//
+// Why: a decode step multiplies 1 row per request by every weight matrix, and draft verification
+// 1 + K rows. MKL switches from a weight-streaming GEMV path (M <= 3) to a packed GEMM path at M >= 4
+// that costs ~1.8x as much, so verifying 5 tokens cost far more than decoding 1. This kernel streams
+// each weight row once for all M <= max_m rows of activations.
+//
+// Every output element is the same sequence of float operations whatever M, the blocking and the
+// thread split are: a row computed in a batch of 5 is bitwise the row computed alone. So a verified
+// draft token's logits equal those of plain one-token decoding (batch invariance for small steps).
+//
+// Only row-major C = alpha * A @ op(B) + beta * C with A not transposed is handled here; every other
+// call goes to the BLAS's own cblas_sgemm (set by small_gemm_init).
+#include <immintrin.h>
+#include <omp.h>
+#include <stddef.h>
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111 };
+enum { MAX_M = 8 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                         float, float *, int);
+typedef void (*kern_fn)(int, const float *, int, const float *, int, float *, int, float, float, int,
+                        int);
+
+static sgemm_fn fallback;
+static int max_m;
+
+static inline void store(float *c, float v, float alpha, float beta) {
+    v *= alpha;
+    *c = beta == 0.0f ? v : v + beta * *c;
+}
+
+// B transposed (weights [N, K] row-major, the linear layers): C[i, j] = dot(A[i, :], B[j, :]).
+// R rows of B at a time give R * M independent FMA chains; each dot is 16-lane partial sums over k
+// in order, then one fixed horizontal reduction.
+static inline __attribute__((always_inline)) void nt_block(const int M, const int R, int K, const float *A,
+        int lda, const float *B, int ldb, float *C, int ldc, float alpha, float beta, int j) {
+    const int kfull = K & ~15;
+    const __mmask16 tail = (__mmask16)((1u << (K & 15)) - 1);
+    __m512 acc[R][M];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k < kfull; k += 16)
+        for (int r = 0; r < R; r++) {
+            const __m512 b = _mm512_loadu_ps(B + (size_t)(j + r) * ldb + k);
+            for (int i = 0; i < M; i++)
+                acc[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(A + (size_t)i * lda + k), b, acc[r][i]);
+        }
+    if (tail)
+        for (int r = 0; r < R; r++) {
+            const __m512 b = _mm512_maskz_loadu_ps(tail, B + (size_t)(j + r) * ldb + k);
+            for (int i = 0; i < M; i++)
+                acc[r][i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, A + (size_t)i * lda + k), b,
+                                            acc[r][i]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            store(C + (size_t)i * ldc + j + r, _mm512_reduce_add_ps(acc[r][i]), alpha, beta);
+}
+
+// B not transposed ([K, N] row-major, e.g. attention's scores @ V): 16-column strips of B, S strips at
+// a time; each output element is one FMA chain over k in order.
+static inline __attribute__((always_inline)) void nn_block(const int M, const int S, int K, const float *A,
+        int lda, const float *B, int ldb, float *C, int ldc, float alpha, float beta, int j,
+        __mmask16 last) {
+    __m512 acc[S][M];
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < M; i++) acc[s][i] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * ldb + j;
+        for (int s = 0; s < S; s++) {
+            const __m512 bv = s == S - 1 ? _mm512_maskz_loadu_ps(last, b + 16 * s) : _mm512_loadu_ps(b + 16 * s);
+            for (int i = 0; i < M; i++)
+                acc[s][i] = _mm512_fmadd_ps(_mm512_set1_ps(A[(size_t)i * lda + k]), bv, acc[s][i]);
+        }
+    }
+    for (int s = 0; s < S; s++) {
+        const __mmask16 m = s == S - 1 ? last : (__mmask16)0xFFFF;
+        for (int i = 0; i < M; i++) {
+            float *c = C + (size_t)i * ldc + j + 16 * s;
+            __m512 v = _mm512_mul_ps(_mm512_set1_ps(alpha), acc[s][i]);
+            if (beta != 0.0f) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, c), v);
+            _mm512_mask_storeu_ps(c, m, v);
+        }
+    }
+}
+
+// Register blocking per M (32 zmm registers): more rows / strips for small M.
+#define NT_R(M) ((M) <= 1 ? 8 : (M) <= 2 ? 4 : (M) <= 3 ? 3 : (M) <= 6 ? 2 : 1)
+#define NN_S(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
+
+#define DEFINE(M)                                                                                       \
+    static void nt##M(int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,       \
+                      float alpha, float beta, int j0, int j1) {                                        \
+        int j = j0;                                                                                     \
+        for (; j + NT_R(M) <= j1; j += NT_R(M)) nt_block(M, NT_R(M), K, A, lda, B, ldb, C, ldc, alpha,  \
+                                                         beta, j);                                      \
+        for (; j < j1; j++) nt_block(M, 1, K, A, lda, B, ldb, C, ldc, alpha, beta, j);                  \
+    }                                                                                                   \
+    static void nn##M(int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,       \
+                      float alpha, float beta, int j0, int j1) {                                        \
+        int j = j0;                                                                                     \
+        for (; j + 16 * NN_S(M) <= j1; j += 16 * NN_S(M))                                               \
+            nn_block(M, NN_S(M), K, A, lda, B, ldb, C, ldc, alpha, beta, j, (__mmask16)0xFFFF);         \
+        for (; j < j1; j += 16) {                                                                       \
+            const int rem = j1 - j;                                                                     \
+            nn_block(M, 1, K, A, lda, B, ldb, C, ldc, alpha, beta, j,                                   \
+                     rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1));                     \
+        }                                                                                               \
+    }
+DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
+
+static const kern_fn NT[MAX_M + 1] = {0, nt1, nt2, nt3, nt4, nt5, nt6, nt7, nt8};
+static const kern_fn NN[MAX_M + 1] = {0, nn1, nn2, nn3, nn4, nn5, nn6, nn7, nn8};
+
+// Returns the largest M this library handles (0: the CPU lacks AVX-512F, every call is forwarded).
+int small_gemm_init(void *blas_sgemm, int want_max_m) {
+    fallback = (sgemm_fn)blas_sgemm;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f")) want_max_m = 0;
+    max_m = want_max_m < 0 ? 0 : want_max_m > MAX_M ? MAX_M : want_max_m;
+    return max_m;
+}
+
+void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+    if (layout != ROW_MAJOR || ta != NO_TRANS || M < 1 || M > max_m || N < 1 || K < 1) {
+        fallback(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    const kern_fn f = tb == NO_TRANS ? NN[M] : NT[M];
+    // Small products stay on this thread; larger ones split the output columns evenly between the
+    // threads in multiples of 16 (uneven fixed-size chunks left one core idle up to a chunk's time).
+    if ((double)M * N * K < 262144.0 || N < 32) {
+        f(K, A, lda, B, ldb, C, ldc, alpha, beta, 0, N);
+        return;
+    }
+#pragma omp parallel
+    {
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int per = ((N + nth - 1) / nth + 15) & ~15;
+        const int j0 = tid * per, j1 = j0 + per < N ? j0 + per : N;
+        if (j0 < j1) f(K, A, lda, B, ldb, C, ldc, alpha, beta, j0, j1);
+    }
+}

@@ -1,0 +1,78 @@
+"""The small-M GEMM in front of the BLAS (engine/small_gemm.c): correct against float64 NumPy, and
+batch-invariant (a row computed among M rows is bitwise the row computed alone), down to the model:
+verifying 5 tokens at once gives bitwise the logits of 5 one-token decode steps."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.blas import blas_info
+
+ACTIVE = blas_info().small_gemm.startswith("rows")
+needs_kernel = pytest.mark.skipif(not ACTIVE, reason=f"small-M GEMM not active: {blas_info().small_gemm}")
+
+
+def _rand(shape: tuple[int, ...], seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (17, 15), (64, 16), (100, 33), (1536, 576), (576, 1536)])
+def test_matches_float64_reference(m: int, n: int, k: int) -> None:
+    a, w, b = _rand((m, k), 1), _rand((n, k), 2), _rand((k, n), 3)
+    ref_nt = np.asarray(a, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+    ref_nn = np.asarray(a, dtype=np.float64) @ np.asarray(b, dtype=np.float64)
+    tol = 1e-5 * np.sqrt(k) * 4
+    np.testing.assert_allclose(np.asarray(a @ w.T), ref_nt, rtol=0, atol=tol)  # weights layout
+    np.testing.assert_allclose(np.asarray(a @ b), ref_nn, rtol=0, atol=tol)  # scores @ V layout
+
+
+@needs_kernel
+def test_alpha_beta_and_strided_operands() -> None:
+    c, a, w = _rand((5, 96), 4), _rand((5, 200), 5), _rand((96, 200), 6)
+    out = mx.addmm(c, a, w.T, alpha=0.5, beta=2.0)
+    ref = 0.5 * (np.asarray(a, np.float64) @ np.asarray(w, np.float64).T) + 2.0 * np.asarray(c, np.float64)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=1e-4)
+    big = _rand((6, 300), 7)
+    sub = big[1:6, 10:210]  # a strided view: lda 300 once MLX passes it through
+    np.testing.assert_allclose(np.asarray(sub @ w.T),
+                               np.asarray(sub, np.float64) @ np.asarray(w, np.float64).T, rtol=0, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [2, 5, 8])
+def test_rows_are_bitwise_batch_invariant(m: int) -> None:
+    a, w, b = _rand((m, 576), 8), _rand((1536, 576), 9), _rand((576, 208), 10)
+    for full, one in ((a @ w.T, lambda i: a[i : i + 1] @ w.T), (a @ b, lambda i: a[i : i + 1] @ b)):
+        rows = mx.concatenate([one(i) for i in range(m)])
+        assert mx.array_equal(full, rows).item()
+
+
+def test_status_is_reported() -> None:
+    status = blas_info().small_gemm
+    assert status.startswith(("rows 1-", "off")), status
+
+
+@needs_kernel
+def test_verification_logits_equal_one_token_decode_bitwise(default_loaded_model) -> None:
+    """Five tokens through the model at once (draft verification) vs five one-token steps, across a
+    block boundary: every logit bitwise equal. Plain MKL differs in the last bits here."""
+    from engine.llm import LLM
+    from engine.models import adapter
+
+    llm = LLM(loaded=default_loaded_model, kv_cache_memory="256MiB", max_model_len=512, show_progress=False)
+    runner = llm.core.runner
+    table = list(range(1, 40))
+    ctx = 46  # the 5 tokens cross the 48-token block boundary (block size 16)
+    toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 5)]
+    mx.eval(runner.forward_chunks([(toks[:ctx], 0, table, 1)]))
+    one = []
+    for t in range(5):
+        h = runner.forward_chunks([(toks[ctx + t : ctx + t + 1], ctx + t, table, 1)])
+        one.append(adapter.compute_logits(runner.model, h))
+        mx.eval(one[-1])
+    five = adapter.compute_logits(runner.model, runner.forward_chunks([(toks[ctx:], ctx, table, 5)]))
+    assert mx.array_equal(mx.concatenate(one), five).item()
