@@ -43,12 +43,12 @@ def method_configs(method: str, model_folder: str, mtp_model: str | None = None)
 
 
 def config(quick: bool, concurrency: list[int] | None = None,
-           workloads: list[str] | None = None) -> MatrixConfig:
+           workloads: list[str] | None = None, rounds: int = 1) -> MatrixConfig:
     levels = [Level(concurrency=c) for c in (concurrency or ((1, 8) if quick else (1, 8, 16, 32)))]
     return MatrixConfig(workloads=workloads or ["copy", "mixed-temp"], levels=levels,
                         max_tokens=48 if quick else 64,
                         requests_per_slot=1, min_requests=3 if quick else 4, duration_s=30 if quick else 60,
-                        warmup=1)
+                        warmup=1, rounds=rounds)
 
 
 def summarize(runs: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     specs = [ServerSpec(label=label, command=specserve_command(cfg)) for label, cfg in modes.items()]
     out = Path(args.output_dir or ("results/tmp/adaptive-quick" if args.quick else "results/adaptive"))
     cfg = config(args.quick, [int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
-                 args.workloads.split(",") if args.workloads else None)
+                 args.workloads.split(",") if args.workloads else None, args.rounds)
     # `timeout` and kill send SIGTERM: exit through `started`'s cleanup, or the servers outlive us.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with started(specs, out / "logs") as (up, down):
@@ -133,5 +133,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mtp-model", default=None, help="MTP assistant checkpoint for --methods ...,mtp")
     p.add_argument("--concurrency", default=None, help="levels, e.g. 1,8,16,32 (quick: 1,8)")
     p.add_argument("--workloads", default=None, help="comma-separated (default copy,mixed-temp)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each level this many times (other prompts each round, order alternating); "
+                        "one round of 4 requests at c = 1 moves +-15%% between identical servers")
     p.add_argument("--output-dir", default=None)
     p.set_defaults(func=run)
