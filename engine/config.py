@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def cache_dir() -> Path:
+    """Where specserve keeps converted models and built kernels (`SPECSERVE_CACHE_DIR`)."""
+    root = os.environ.get("SPECSERVE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "specserve"
+
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 

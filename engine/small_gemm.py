@@ -20,18 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.config import cache_dir
+
 SOURCE = Path(__file__).with_name("small_gemm.c")
 MAX_M = 8
 # Built where it runs, so tuned for this CPU (measured ~10% faster at 3-5 rows than generic AVX-512).
 _FLAGS = ["-O3", "-march=native", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared"]
-
-_handle: ctypes.CDLL | None = None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "specserve"
-
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot be used on this machine (None: it can)."""
@@ -83,10 +77,7 @@ def load_before(blas: ctypes.CDLL) -> int:
     """Load the kernel with RTLD_GLOBAL, forwarding every call it does not handle to `blas`
     (already loaded, RTLD_LOCAL). Call before the BLAS is made global and before libmlx loads.
     Returns the largest row count it handles (0: the CPU lacks AVX-512F, all calls forwarded)."""
-    global _handle
     lib = ctypes.CDLL(str(build()), mode=ctypes.RTLD_GLOBAL)
     lib.small_gemm_init.restype = ctypes.c_int
     lib.small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    max_m = int(lib.small_gemm_init(ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p), MAX_M))
-    _handle = lib
-    return max_m
+    return int(lib.small_gemm_init(ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p), MAX_M))

@@ -10,7 +10,6 @@ import contextlib
 import importlib.util
 import json
 import logging
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.config import DType
+from engine.config import DType, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,6 @@ class LoadedModel:
             if self.config.get(key):
                 return int(self.config[key])
         return None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "specserve"
 
 
 def default_gguf_path() -> Path:
