@@ -49,6 +49,46 @@ def test_cost_model_interpolates_a_concave_curve_and_stays_monotone() -> None:
     assert noisy.predict(8) >= noisy.predict(1) and noisy.marginal(4) > 0
 
 
+def row_cost(rows: int, tokens: int) -> float:
+    """A machine where each request in a step costs far more than each extra token of a request (its
+    attention and per-request work), like this CPU: 3 requests x 1 token >> 1 request x 3 tokens."""
+    return 0.030 + 0.030 * rows + 0.002 * (tokens - rows)
+
+
+def test_cost_model_keeps_request_counts_apart() -> None:
+    m = StepCostModel()
+    for _ in range(5):
+        for rows in range(1, 9):
+            m.observe(rows, row_cost(rows, rows), num_rows=rows)  # plain decode
+        for k in (2, 4):
+            m.observe(1 + k, row_cost(1, 1 + k), num_rows=1)  # one request verifying k drafts
+    assert m.predict(3, num_rows=1) == pytest.approx(row_cost(1, 3), rel=1e-6)
+    assert m.predict(3, num_rows=3) == pytest.approx(row_cost(3, 3), rel=1e-6)
+    assert m.marginal(3, num_rows=1) == pytest.approx(0.002, rel=1e-6)
+    # Tokens alone mix the two: the pooled curve prices a draft token like a whole request.
+    assert m.marginal(3) > 0.01
+    # A request count seen only without drafts: the pooled curve's shape through its one point.
+    assert m.predict(5, num_rows=5) == pytest.approx(row_cost(5, 5), rel=1e-6)
+    assert m.predict(6, num_rows=5) > m.predict(5, num_rows=5)
+    # Never seen at all: the pooled curve.
+    assert m.predict(40, num_rows=32) == pytest.approx(m.predict(40))
+
+
+def test_drafts_priced_at_the_steps_request_count() -> None:
+    # One request left after a batch drained, drafts accepted half the time: at 2 ms a draft token
+    # even the 4th (reached 1 time in 16) pays; priced from tokens alone (a draft token looks like
+    # another request's row) only the first does.
+    c, one = controller(fixed=0.0, per_token=0.0, accept=0.5, max_k=4)
+    c.cost = StepCostModel()
+    for _ in range(5):
+        for rows in range(1, 9):
+            c.observe_step(rows, row_cost(rows, rows), num_rows=rows)
+        for k in (1, 2, 4):
+            c.observe_step(1 + k, row_cost(1, 1 + k), num_rows=1)
+    assert c.choose(one, base_tokens=1, num_rows=1) == [4]
+    assert c.choose(one, base_tokens=1) == [1]
+
+
 def test_acceptance_estimate_is_per_position_and_conditional() -> None:
     est = AcceptanceEstimator(max_k=4, ema=0.5)
     for _ in range(10):

@@ -23,8 +23,15 @@ from typing import Any
 
 import engine  # noqa: F401  (chooses the BLAS and the kernel before mlx is imported)
 
-SHAPES = [("1 request", 1), ("1 request", 2), ("1 request", 3), ("1 request", 5), ("1 request", 8),
-          ("batch", 4), ("batch", 8)]
+# (requests, tokens each): one request decoding or verifying T-1 drafts; batches of decoding requests;
+# batches where every request verifies drafts (12 and 16 rows: the kernel's two-pass range).
+SHAPES = [(1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (4, 1), (8, 1), (4, 3), (8, 2)]
+
+
+def label(requests: int, tokens: int) -> str:
+    if requests == 1:
+        return f"1 request T={tokens}"
+    return f"batch T={requests}" if tokens == 1 else f"batch {requests}x{tokens}"
 
 
 def measure(iters: int) -> dict[str, Any]:
@@ -44,20 +51,17 @@ def measure(iters: int) -> dict[str, Any]:
     for table in tables:
         mx.eval(runner.forward_chunks([(toks[:ctx], 0, table, 1)]))
 
-    def step(kind: str, t: int) -> None:
-        if kind == "batch":
-            chunks = [([toks[ctx + r]], ctx, tables[r], 1) for r in range(t)]
-        else:
-            chunks = [(toks[ctx : ctx + t], ctx, tables[0], t)]
+    def step(requests: int, t: int) -> None:
+        chunks = [(toks[ctx + r : ctx + r + t], ctx, tables[r], t) for r in range(requests)]
         h = runner.forward_chunks(chunks)
         mx.eval(mx.argmax(adapter.compute_logits(runner.model, h), axis=-1))
 
-    times: dict[str, list[float]] = {f"{k} T={t}": [] for k, t in SHAPES}
+    times: dict[str, list[float]] = {label(r, t): [] for r, t in SHAPES}
     for _ in range(iters):
-        for kind, t in SHAPES:
+        for r, t in SHAPES:
             t0 = time.perf_counter()
-            step(kind, t)
-            times[f"{kind} T={t}"].append(time.perf_counter() - t0)
+            step(r, t)
+            times[label(r, t)].append(time.perf_counter() - t0)
     return {"small_gemm": blas_info().small_gemm, "blas": blas_info().name,
             "median_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()}}
 

@@ -52,6 +52,9 @@ MODES: dict[str, dict[str, Any] | None] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "draft_model(self)": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3},
+    # The adaptive controller (#8) with ngram's lookup and at most ngram's K: what a user under load runs.
+    "ngram(auto)": {"method": "ngram", "num_speculative_tokens": "auto", "prompt_lookup_min": 2,
+                    "prompt_lookup_max": 5, "adaptive": {"max_num_speculative_tokens": 4}},
 }
 
 
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nchecks:", json.dumps(checks, indent=1))
     out = {"schema_version": 1, "timestamp": time.time(), "specserve": engine.__version__,
            "machine": {"platform": platform.platform(), "python": platform.python_version()},
-           "blas": blas_info().name, "model": loaded.name, "model_path": loaded.path,
+           "blas": blas_info().name, "small_gemm": blas_info().small_gemm, "model": loaded.name,
+           "model_path": loaded.path,
            "dtype": str(loaded.dtype),
            "max_tokens": args.max_tokens, "repeats": args.repeats, "modes": MODES, "summary": summary,
            "checks": checks, "runs": runs}

@@ -2,9 +2,9 @@
 of draft tokens (0 included) that maximises expected tokens per second of the whole step.
 
 Inputs, all learned online from the engine's own measurements:
-- `StepCostModel`: target step seconds as a function of the step's tokens, piecewise linear through a
-  smoothed point per token-count bucket of the engine's decode/verify steps (a prior line until two
-  buckets are known);
+- `StepCostModel`: target step seconds as a function of the step's tokens at its number of requests,
+  piecewise linear through a smoothed point per token-count bucket of the engine's decode/verify steps
+  with that many requests (a pooled curve, then a prior line, while those are unknown);
 - draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
   draft_model), an exponential moving average;
 - `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 _PRIOR_ACCEPT = 0.5
 
 
-class StepCostModel:
-    """Step seconds as a function of the step's tokens, learned from the engine's own steps.
+class TokenCurve:
+    """Step seconds as a function of the step's tokens.
 
     The curve is not a line on a CPU: a few rows cost almost one row's weight streaming, more rows move
     the matmuls into an efficient GEMM regime, and long prefill chunks are compute-bound. So the model
@@ -90,6 +90,53 @@ class StepCostModel:
     def marginal(self, num_tokens: float) -> float:
         """Seconds one more token adds to a step of `num_tokens`."""
         return max(self.predict(num_tokens + 1) - self.predict(num_tokens), self.min_slope)
+
+
+class StepCostModel:
+    """Step seconds as a function of the step's tokens and of how many requests (rows) it serves,
+    learned from the engine's own steps.
+
+    Tokens alone do not say what a step costs: every request adds its own attention over its context
+    and per-request work, so 3 requests x 1 token cost far more than 1 request x 3 tokens (92 vs 54 ms
+    here). Drafting adds tokens to a step whose request count is fixed, so the marginal cost of a draft
+    must come from steps with that many requests. One curve per request-count bucket (exact up to 8,
+    then powers of two), plus a pooled curve over all steps that stands in while a bucket is thin: with
+    one known point the bucket is the pooled curve's shape shifted through it."""
+
+    def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2) -> None:
+        self._prior, self._ema = prior, ema
+        self.pooled = TokenCurve(prior, ema)
+        self._by_rows: dict[int, TokenCurve] = {}
+
+    @staticmethod
+    def _rows_bucket(num_rows: int) -> int:
+        return num_rows if num_rows <= 8 else 1 << (num_rows - 1).bit_length()
+
+    def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        self.pooled.observe(num_tokens, seconds)
+        if num_rows is not None and num_rows > 0:
+            b = self._rows_bucket(num_rows)
+            curve = self._by_rows.get(b)
+            if curve is None:
+                curve = self._by_rows[b] = TokenCurve(self._prior, self._ema)
+            curve.observe(num_tokens, seconds)
+
+    def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
+        curve = self._by_rows.get(self._rows_bucket(num_rows)) if num_rows else None
+        pts = curve.points() if curve is not None else []
+        if len(pts) >= 2:
+            return curve.predict(num_tokens)  # type: ignore[union-attr]
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return max(0.0, y0 + self.pooled.predict(num_tokens) - self.pooled.predict(x0))
+        return self.pooled.predict(num_tokens)
+
+    def marginal(self, num_tokens: float, num_rows: int | None = None) -> float:
+        """Seconds one more token adds to a step of `num_tokens` serving `num_rows` requests."""
+        return max(self.predict(num_tokens + 1, num_rows) - self.predict(num_tokens, num_rows),
+                   self.pooled.min_slope)
 
 
 @dataclass(slots=True)
@@ -190,8 +237,8 @@ class AdaptiveController:
         self._draft_seen = False
 
     # -- observations ----------------------------------------------------------------------------
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None) -> None:
+        self.cost.observe(num_tokens, seconds, num_rows)
 
     def observe_draft(self, num_draft_tokens: int, seconds: float) -> None:
         if num_draft_tokens <= 0:
@@ -208,17 +255,17 @@ class AdaptiveController:
         self.acceptance.release(request_id)
 
     # -- the choice ------------------------------------------------------------------------------
-    def choose(self, candidates: list[Candidate], base_tokens: int,
-               base_yield: int | None = None) -> list[int]:
+    def choose(self, candidates: list[Candidate], base_tokens: int, base_yield: int | None = None,
+               num_rows: int | None = None) -> list[int]:
         """K per candidate for the next step. `base_tokens`: tokens the step computes without drafts
         (decode rows + prefill chunks); `base_yield`: tokens it emits without drafts (default: one per
-        candidate)."""
+        candidate); `num_rows`: requests in the step (default: unknown, the pooled cost curve)."""
         ks = [0] * len(candidates)
         if not candidates:
             return ks
         gain = float(base_yield if base_yield is not None else len(candidates))
         tokens = base_tokens
-        cost = self.cost.predict(tokens)
+        cost = self.cost.predict(tokens, num_rows)
         probs = [self.acceptance.probabilities(c.request_id) for c in candidates]
         # reach[j]: probability the request's next draft position is reached and accepted.
         heap = [(-probs[j][0], j) for j, c in enumerate(candidates) if c.max_k > 0]
@@ -227,7 +274,7 @@ class AdaptiveController:
         while heap:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
-            marginal = self.cost.marginal(tokens) + self.draft_cost_per_token
+            marginal = self.cost.marginal(tokens, num_rows) + self.draft_cost_per_token
             if g * cost <= gain * marginal:  # g / marginal <= gain / cost: no longer pays
                 break
             ks[j] += 1
