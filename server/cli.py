@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--head-size", type=int, default=4096, help="reduced vocabulary of the head")
     train.add_argument("--max-tokens", type=int, default=96, help="tokens generated per answer")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--answer-only", action="store_true",
+                       help="score answer positions only (default: every position)")
     draft = sub.add_parser("train-draft", help="distil a small draft model for MODEL (method: draft_model)",
                            description="The target's first layers, trained on the text the target writes "
                                        "itself. Resumable: rerun to continue.")

@@ -7,25 +7,43 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from engine.llm import LLM
 from engine.models.loader import load_model
 from engine.models.mtp_assistant import load_assistant
 from engine.sampling import SamplingParams
-from engine.spec.train_assistant import TrainSettings, train_assistant
+from engine.spec.train_assistant import TrainSettings, _batch, chat_length, train_assistant
 from tests.test_models import make_tiny_folder
 
 
 def _settings(steps: int) -> TrainSettings:
     return TrainSettings(max_tokens=12, samples_per_prompt=2, head_size=256, steps=steps, batch_size=2,
-                         save_every=3, max_prompts=3, eval_every=2, eval_fraction=0.5)
+                         save_every=3, max_prompts=3, eval_every=2, eval_fraction=0.5, answer_only=True)
+
+
+def test_only_answer_positions_are_scored() -> None:
+    """Query index j predicts position p = j + 1; with the answer starting at position 4, only p >= 4
+    count (first draft), and the second draft's mask is the first's shifted by one position."""
+    f = {"tokens": mx.array([1, 2, 3, 4, 5, 6]), "hidden": mx.zeros((6, 4)), "keys": mx.zeros((1, 6, 2)),
+         "values": mx.zeros((1, 6, 2)), "labels": mx.array([2, 3, 4, 5, 6, 49]), "start": 4}
+    index = {t: t for t in range(40)}  # label 49 is outside the head vocabulary
+    _, _, _, _, m, _, ym, _, _, m2 = _batch([f], nn.Embedding(50, 4), index, mx.zeros((40, 4)), None)
+    assert m.tolist() == [[0.0, 0.0, 0.0, 1.0, 1.0]]
+    assert ym.tolist() == [[0.0, 0.0, 0.0, 1.0, 0.0]]
+    assert m2.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
+    whole = dict(f, start=1)  # every position (the default)
+    assert _batch([whole], nn.Embedding(50, 4), index, mx.zeros((40, 4)), None)[4].tolist() == [[1.0] * 5]
 
 
 def test_train_resume_and_serve(tmp_path: Path) -> None:
     target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
     out = tmp_path / "assistant"
     first = train_assistant(target, out, s=_settings(3), progress=False)
-    assert first["sequences"] == 6 and first["head_size"] <= 256
+    assert first["sequences"] == 6 and first["head_size"] <= 256 and first["answer_only"]
+    # The answer starts where the engine's own chat template ends.
+    llm = LLM(loaded=target, kv_cache_memory="32MiB", max_model_len=256, block_size=8, show_progress=False)
+    assert chat_length(target, "hi") == len(llm.apply_chat_template([{"role": "user", "content": "hi"}]))
     # Half the sequences are held out and measured at steps 2 and 3; the best step's weights are kept.
     assert first["held_out_sequences"] == 3 and set(first["held_out_top1"]) == {"2", "3"}
     assert all(0.0 <= v <= 1.0 for v in first["held_out_top1"].values())

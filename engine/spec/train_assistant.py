@@ -55,6 +55,9 @@ class TrainSettings:
     holdout: int = 0  # the last N prompts are never trained on (benchmark prompts)
     eval_every: int = 250  # steps between top-1 measurements on the held-out sequences
     eval_fraction: float = 0.04  # generated sequences kept out of training to measure top-1 on
+    # Score (and measure top-1 on) answer positions only: the assistant drafts only while the target
+    # generates. Measured 2026-11-23: no gain (benchmark position-0 acceptance 0.43 vs 0.45), so opt-in.
+    answer_only: bool = False
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -105,10 +108,18 @@ def generate_texts(target: LoadedModel, prompts: list[str], s: TrainSettings,
     return done
 
 
-def target_features(target: LoadedModel, seqs: list[list[int]], layer: int) -> list[dict[str, mx.array]]:
+def chat_length(target: LoadedModel, prompt: str) -> int:
+    """Tokens of the chat-templated prompt, generation header included: where the answer starts."""
+    out = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=True)
+    return len(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def target_features(target: LoadedModel, seqs: list[list[int]], layer: int,
+                    starts: list[int] | None = None) -> list[dict[str, mx.array]]:
     """One plain (non-paged) target pass over a right-padded batch (causal attention keeps the padding
     out of real positions). Per sequence: hidden [T, d] (final norm), keys/values [Hkv, T, D] of `layer`,
-    labels [T] (the target's argmax)."""
+    labels [T] (the target's argmax), and `start`, the first position that is scored (its answer)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model = target.model
@@ -124,18 +135,22 @@ def target_features(target: LoadedModel, seqs: list[list[int]], layer: int) -> l
                     "keys": cache[layer].keys[i, :, :t].astype(mx.float16),
                     "values": cache[layer].values[i, :, :t].astype(mx.float16), "labels": labels[i, :t]})
     mx.eval(out)
+    for i, f in enumerate(out):
+        f["start"] = starts[i] if starts is not None else 1  # type: ignore[assignment]
     return out
 
 
-def all_features(target: LoadedModel, seqs: list[list[int]], layer: int,
-                 progress: bool) -> list[dict[str, mx.array]]:
+def all_features(target: LoadedModel, seqs: list[list[int]], layer: int, progress: bool,
+                 starts: list[int] | None = None) -> list[dict[str, mx.array]]:
     """`target_features` over every sequence, in batches of 8 of similar length (little padding)."""
     from tqdm import tqdm
 
     feats: list[dict[str, mx.array]] = []
     by_len = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for lo in tqdm(range(0, len(seqs), 8), desc="target features", disable=not progress):
-        feats.extend(target_features(target, [seqs[i] for i in by_len[lo: lo + 8]], layer))
+        idx = by_len[lo: lo + 8]
+        feats.extend(target_features(target, [seqs[i] for i in idx], layer,
+                                     [starts[i] for i in idx] if starts is not None else None))
     return feats
 
 
@@ -183,13 +198,14 @@ def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, 
            teacher: mx.array, cap: float | None) -> tuple[mx.array, ...]:
     """Right-padded batch over query positions p = 1..T-1: x [B, L, 2d] = [emb(token p), hidden p-1],
     keys/values [B, Hkv, L, D] (positions 0..T-2), the target's log-probabilities over the head
-    vocabulary at p (`teacher` holds its head rows) and a mask [B, L], the hard labels (argmax) for the
-    accuracy figure, and for the second draft (same query position, as when serving K > 1) emb(token p+1)
-    with the target's log-probabilities at p+1."""
+    vocabulary at p (`teacher` holds its head rows) and a mask [B, L] (positions from the sequence's
+    `start` on), the hard labels (argmax) for the accuracy figure, and for the second draft (same query
+    position, as when serving K > 1) emb(token p+1) with the target's log-probabilities at p+1."""
     t = max(int(f["tokens"].shape[0]) for f in feats) - 1
     cols: list[list[mx.array]] = [[] for _ in range(8)]
     for f in feats:
         n = int(f["tokens"].shape[0]) - 1
+        first = max(0, int(f.get("start", 1)) - 1)  # query index j holds position p = j + 1
         e = embed(f["tokens"][1:]).astype(mx.float32)  # [n, d]: token at query position p
         x = mx.concatenate([e, f["hidden"][:-1].astype(mx.float32)], axis=-1)  # hidden at p - 1
         y = [index.get(lab, -1) for lab in f["labels"][1:].tolist()]
@@ -199,9 +215,9 @@ def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, 
         cols[1].append(mx.pad(f["keys"][:, :-1].astype(mx.float32), [(0, 0)] + pad))
         cols[2].append(mx.pad(f["values"][:, :-1].astype(mx.float32), [(0, 0)] + pad))
         cols[3].append(mx.pad(f["hidden"][1:].astype(mx.float32), pad))  # target hidden at p: teacher
-        cols[4].append(mx.array([1.0] * n + [0.0] * (t - n)))
+        cols[4].append(mx.array([float(j >= first) for j in range(n)] + [0.0] * (t - n)))
         cols[5].append(mx.array([max(v, 0) for v in y] + [0] * (t - n), dtype=mx.int32))
-        cols[6].append(mx.array([float(v >= 0) for v in y] + [0.0] * (t - n)))
+        cols[6].append(mx.array([float(v >= 0 and j >= first) for j, v in enumerate(y)] + [0.0] * (t - n)))
         cols[7].append(mx.pad(e2, pad))
     x, k, v, h, m, y, ym, e2 = (mx.stack(c) for c in cols)
     logits = h @ teacher.T
@@ -237,7 +253,8 @@ def _loss(net: TrainedAssistant, x: mx.array, k: mx.array, v: mx.array, logp: mx
 
 def top1(net: TrainedAssistant, feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, int],
          teacher: mx.array, cap: float | None) -> float:
-    """First-draft top-1 agreement with the target's argmax over `feats` (token-weighted)."""
+    """First-draft top-1 agreement with the target's argmax over `feats` (token-weighted, scored
+    positions only: answers with `answer_only`)."""
     hits = total = 0.0
     for lo in range(0, len(feats), 8):
         batch = _batch(feats[lo: lo + 8], embed, index, teacher, cap)
@@ -271,7 +288,11 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     prompts = prompts[: len(prompts) - s.holdout] if s.holdout else prompts
     prompts = prompts[: s.max_prompts] if s.max_prompts else prompts
     seqs = generate_texts(target, prompts, s, out / "data" / "sequences.jsonl")  # resumes by chunk
-    feats = all_features(target, seqs, layer, progress)
+    starts = None
+    if s.answer_only:  # sequence i answers prompt i // samples_per_prompt (generate_texts' order)
+        lens = [chat_length(target, p) for p in prompts]
+        starts = [min(lens[i // s.samples_per_prompt], len(q) - 1) for i, q in enumerate(seqs)]
+    feats = all_features(target, seqs, layer, progress, starts)
     # Every n-th sequence (by length, so short and long alike) is held out: top-1 agreement there is the
     # first draft's acceptance rate on greedy text, and picks the checkpoint that is kept.
     step_n = max(2, round(1 / s.eval_fraction)) if s.eval_fraction > 0 else 0
@@ -280,7 +301,8 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     for i, f in enumerate(feats):
         (held if step_n and i % step_n == step_n // 2 else train).append(f)
     feats = train
-    counts = Counter(t for f in feats for t in f["labels"].tolist())
+    # The head's vocabulary: the most frequent of the labels that are scored (the answers' next tokens).
+    counts = Counter(t for f in feats for t in f["labels"][max(1, int(f["start"])):].tolist())
     head_ids = [t for t, _ in counts.most_common(s.head_size)]
     coverage = sum(counts[t] for t in head_ids) / max(1, sum(counts.values()))
 
@@ -336,6 +358,7 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
         net.update(tree_unflatten(list(best[1].items())))
     save_trained(net, out, dtype=mx.float16)
     summary = {"sequences": len(seqs), "held_out_sequences": len(held), "tokens": sum(len(q) for q in seqs),
+               "answer_only": s.answer_only,
                "head_size": len(head_ids), "head_coverage": round(coverage, 4), "steps": s.steps,
                "final_loss": losses[-1] if losses else None,
                "held_out_top1": {str(k): round(v, 4) for k, v in evals.items()},
@@ -349,7 +372,8 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
 def main_cli(args: argparse.Namespace) -> int:
     """`specserve train-assistant --model M --out DIR` (the namespace comes from server/cli.py)."""
     s = TrainSettings(steps=args.steps, head_size=args.head_size, max_tokens=args.max_tokens, seed=args.seed,
-                      max_prompts=args.max_prompts or None, mix_sampled=args.mix_sampled)
+                      max_prompts=args.max_prompts or None, mix_sampled=args.mix_sampled,
+                      answer_only=getattr(args, "answer_only", False))
     prompts = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
     return run_cli("train-assistant", args.model, lambda target: train_assistant(target, Path(args.out),
                                                                                   prompts, s),
