@@ -16,6 +16,12 @@ from engine.models.loader import LoadedModel
 from engine.sampling import SamplingParams, TokenLogprob
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, generation header included."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     request_id: str
@@ -46,8 +52,7 @@ class LLM:
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(
         self,

@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 _PRIOR_ACCEPT = 0.5
 
 
+def _bucket(n: int) -> int:
+    """Token and request counts are bucketed alike: exact up to 8, then powers of two."""
+    return n if n <= 8 else 1 << (n - 1).bit_length()
+
+
 class TokenCurve:
     """Step seconds as a function of the step's tokens.
 
@@ -43,16 +48,13 @@ class TokenCurve:
         self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, count]
         self._points: list[tuple[float, float]] | None = None
 
-    @staticmethod
-    def _bucket(num_tokens: int) -> int:
-        return num_tokens if num_tokens <= 8 else 1 << (num_tokens - 1).bit_length()
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        b = self._buckets.get(self._bucket(num_tokens))
+        b = self._buckets.get(_bucket(num_tokens))
         if b is None:
-            self._buckets[self._bucket(num_tokens)] = [float(num_tokens), seconds, 1.0]
+            self._buckets[_bucket(num_tokens)] = [float(num_tokens), seconds, 1.0]
         else:
             a = max(self.ema, 1.0 / (b[2] + 1))  # plain mean for the first few, then an EMA
             b[0] += a * (num_tokens - b[0])
@@ -108,23 +110,19 @@ class StepCostModel:
         self.pooled = TokenCurve(prior, ema)
         self._by_rows: dict[int, TokenCurve] = {}
 
-    @staticmethod
-    def _rows_bucket(num_rows: int) -> int:
-        return num_rows if num_rows <= 8 else 1 << (num_rows - 1).bit_length()
-
     def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
         self.pooled.observe(num_tokens, seconds)
         if num_rows is not None and num_rows > 0:
-            b = self._rows_bucket(num_rows)
+            b = _bucket(num_rows)
             curve = self._by_rows.get(b)
             if curve is None:
                 curve = self._by_rows[b] = TokenCurve(self._prior, self._ema)
             curve.observe(num_tokens, seconds)
 
     def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
-        curve = self._by_rows.get(self._rows_bucket(num_rows)) if num_rows else None
+        curve = self._by_rows.get(_bucket(num_rows)) if num_rows else None
         pts = curve.points() if curve is not None else []
         if len(pts) >= 2:
             return curve.predict(num_tokens)  # type: ignore[union-attr]

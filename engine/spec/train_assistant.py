@@ -110,9 +110,9 @@ def generate_texts(target: LoadedModel, prompts: list[str], s: TrainSettings,
 
 def chat_length(target: LoadedModel, prompt: str) -> int:
     """Tokens of the chat-templated prompt, generation header included: where the answer starts."""
-    out = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, tokenize=True)
-    return len(out["input_ids"] if hasattr(out, "keys") else out)
+    from engine.llm import chat_prompt_ids
+
+    return len(chat_prompt_ids(target.tokenizer, [{"role": "user", "content": prompt}]))
 
 
 def target_features(target: LoadedModel, seqs: list[list[int]], layer: int,
@@ -205,7 +205,7 @@ def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, 
     cols: list[list[mx.array]] = [[] for _ in range(8)]
     for f in feats:
         n = int(f["tokens"].shape[0]) - 1
-        first = max(0, int(f.get("start", 1)) - 1)  # query index j holds position p = j + 1
+        first = max(0, int(f["start"]) - 1)  # query index j holds position p = j + 1
         e = embed(f["tokens"][1:]).astype(mx.float32)  # [n, d]: token at query position p
         x = mx.concatenate([e, f["hidden"][:-1].astype(mx.float32)], axis=-1)  # hidden at p - 1
         y = [index.get(lab, -1) for lab in f["labels"][1:].tolist()]
