@@ -22,7 +22,7 @@ from typing import Any
 
 import engine
 from engine.blas import blas_info
-from engine.llm import LLM
+from engine.llm import LLM, chat_prompt_ids
 from engine.models.loader import load_model
 from engine.sampling import SamplingParams
 
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = loaded.tokenizer
 
     def chat(text: str) -> list[int]:
-        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return chat_prompt_ids(tok, [{"role": "user", "content": text}])
 
     copy, free = [chat(t) for t in COPY_PROMPTS], [chat(t) for t in FREE_PROMPTS]
     workloads = {
