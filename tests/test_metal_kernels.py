@@ -236,6 +236,22 @@ def test_emulated_prefill_sliding_window_and_softcap(window: int) -> None:
     assert np.abs(dense - _dense_reference(q, kb, vb, chunks, 0.125, 0.0, window)).max() > 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_reference_mixed_step_groups_and_matches_dense(window: int | None) -> None:
+    """A step mixing decode rows, verification rows of different lengths and a long prefill chunk:
+    decode rows form their own group (a verifying request must not pad them to its length), short
+    multi-token rows share one, each long chunk is alone; the output is in batch order either way."""
+    lens = [(9, 1), (20, 3), (40, 1), (5, 25), (16, 5), (1, 1)]
+    q, kb, vb, meta, chunks = _scenario(31, 8, 64, lens)
+    shapes = [(g.num_rows, g.max_len, g.identity) for g in meta.groups]
+    assert shapes == [(3, 1, False), (2, 5, False), (1, 25, False)]
+    out = np.array(paged_attention_reference(q, kb, vb, meta, 0.125, window))
+    np.testing.assert_allclose(out, _dense_reference(q, kb, vb, chunks, 0.125, 0.0, window or 0),
+                               rtol=2e-5, atol=2e-5)
+    decode_only = build_metadata([(9, 1, chunks[0][2]), (40, 1, chunks[2][2])], 8)
+    assert [(g.num_rows, g.max_len, g.identity) for g in decode_only.groups] == [(2, 1, True)]
+
+
 def test_emulated_prefill_several_sequences_per_launch() -> None:
     # The kernel takes S sequences of L rows each (sequence-major); the engine sends one, check more.
     bs, d, L = 16, 64, 19
@@ -316,13 +332,14 @@ def test_metal_dispatch_with_emulated_kernels_matches_reference(monkeypatch: pyt
     ref = paged_attention_reference(q, kb, vb, meta, 0.125, window)
     out = ops.paged_attention_metal(q, kb, vb, meta, 0.125, window)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=2e-5, atol=2e-5)
-    assert calls == ["decode_direct", "prefill"]  # the 150-token chunk took the gather path
+    # decode rows and verification rows are separate groups; the 150-token chunk took the gather path
+    assert calls == ["decode_direct", "decode_direct", "prefill"]
     calls.clear()
     q, kb, vb, meta, _ = _scenario(22, 8, 64, [(1100, 1), (40, 3)])  # > SPLIT_THRESHOLD keys: split
     ref = paged_attention_reference(q, kb, vb, meta, 0.125, window)
     out = ops.paged_attention_metal(q, kb, vb, meta, 0.125, window)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=2e-5, atol=2e-5)
-    assert calls == ["decode_split", "reduce"]
+    assert calls == ["decode_split", "reduce", "decode_direct"]  # the short verification group: direct
 
 
 # -- the real kernels (Apple GPUs) --------------------------------------------------------------------
