@@ -295,7 +295,7 @@ class EngineCore:
                                      self.kv.block_table(req.request_id)))
             targets.append(req)
         if self.adaptive is not None and reqs:
-            cands = [Candidate(r.request_id, r.num_drafts) for r in reqs]
+            cands = [Candidate(r.request_id, r.num_drafts, self.proposer.catch_up_tokens(r)) for r in reqs]
             base_tokens, base_yield, rows = self._next_step_tokens()
             ks = self.adaptive.choose(cands, base_tokens, base_yield, num_rows=rows)
             stats.spec_chosen_k = list(ks)

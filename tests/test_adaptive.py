@@ -213,6 +213,36 @@ def test_probes_back_off_even_when_accepted_and_stop_when_hopeless() -> None:
     assert c.choose(cands, base_tokens=1) == [4]
 
 
+def test_probes_that_need_a_catch_up_go_one_per_step() -> None:
+    # 8 idle requests come due together. Free probes (ngram, MTP) all go at once; probes that make a
+    # draft model prefill everything since the request last drafted go one per step, the rest stay due.
+    # (Unit costs as in a CPU step: 35 ms + 7 ms per token, the draft unseen so far.)
+    def due_probes(catch_up: int) -> list[int]:
+        c, _ = controller(fixed=0.035, per_token=0.007, accept=0.0, max_k=4)
+        cands = [Candidate(f"n{i}", 4, catch_up) for i in range(8)]
+        counts = []
+        for _ in range(12):
+            ks = c.choose(cands, base_tokens=8)
+            counts.append(sum(ks))
+            for cand, k in zip(cands, ks, strict=True):
+                if k:
+                    c.observe_verification(cand.request_id, k, 0)
+        return counts
+
+    free, heavy = due_probes(0), due_probes(200)
+    assert max(free) == 8 and max(heavy) == 1
+    assert sum(heavy) >= 4  # the others were kept due, not dropped
+    # Once a draft token is known to cost 5 ms, a 200-token catch-up (1 s) costs more than the whole
+    # step (~0.1 s): no such probe, while a request that is up to date is still probed.
+    c, _ = controller(fixed=0.035, per_token=0.007, accept=0.0, max_k=4, draft=0.005)
+    behind, current = Candidate("behind", 4, 200), Candidate("current", 4, 1)
+    probed = [0, 0]
+    for _ in range(40):
+        ks = c.choose([behind, current], base_tokens=2)
+        probed = [p + (k > 0) for p, k in zip(probed, ks, strict=True)]
+    assert probed[0] == 0 and probed[1] >= 2
+
+
 def test_respects_per_request_caps() -> None:
     c, _ = controller(fixed=0.040, per_token=0.0001, accept=1.0, max_k=6)
     cands = [Candidate("r0", 2), Candidate("r1", 0)]

@@ -202,12 +202,13 @@ class AcceptanceEstimator:
         if num_drafts > 0:
             st.idle_steps = 0
 
-    def note_idle(self, request_id: str) -> bool:
+    def note_idle(self, request_id: str, can_probe: bool = True) -> bool:
         """Count a step without drafts; True when the request is due a probe (the next one then waits
-        twice as long, until the request drafts by choice again)."""
+        twice as long, until the request drafts by choice again). With `can_probe` False a due request
+        stays due for a later step."""
         st = self._state(request_id)
         st.idle_steps += 1
-        if st.idle_steps < st.probe_after:
+        if st.idle_steps < st.probe_after or not can_probe:
             return False
         st.probe_after = min(st.probe_after * 2, self.max_probe)
         return True
@@ -224,6 +225,9 @@ class AcceptanceEstimator:
 class Candidate:
     request_id: str
     max_k: int  # what the request can take this step (length limits, static caps)
+    # Tokens the proposer must process before this request's first draft (a draft model whose KV
+    # fell behind while the request did not draft); 0 for proposers without per-request state.
+    catch_up: int = 0
 
 
 class AdaptiveController:
@@ -273,6 +277,8 @@ class AdaptiveController:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
             marginal = self.cost.marginal(tokens, num_rows) + self.draft_cost_per_token
+            if ks[j] == 0:  # the first draft also pays for the proposer catching up
+                marginal += self.draft_cost_per_token * candidates[j].catch_up
             if g * cost <= gain * marginal:  # g / marginal <= gain / cost: no longer pays
                 break
             ks[j] += 1
@@ -285,13 +291,24 @@ class AdaptiveController:
         # Re-probe requests that have not drafted for a while, with one token: their estimate may be
         # stale (the text turned repetitive), and the step time at more tokens may be unknown yet. Not
         # when the draft alone costs more per token than the step's rate (a draft model as slow as the
-        # target): then no estimate can make drafting pay.
+        # target): then no estimate can make drafting pay. A probe that needs the proposer to catch up
+        # (a draft model's prefill of everything since the request last drafted) costs far more than a
+        # token: at most one such probe per step, and none that would cost more than the step itself;
+        # the others stay due. (32 requests catching up at once took a c = 32 run from 78 to 206 s.)
         hopeless = gain * self.draft_cost_per_token >= cost
-        for j, c in enumerate(candidates):
+        catch_up_probe = False
+        for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
+            c = candidates[j]
             if ks[j] > 0:
                 self.acceptance.note_drafting(c.request_id)
-            elif c.max_k > 0 and self.acceptance.note_idle(c.request_id) and not hopeless:
+                continue
+            if c.max_k <= 0:
+                continue
+            heavy = c.catch_up > self.max_k + 1  # more than a verification's worth of tokens
+            affordable = not heavy or (not catch_up_probe and self.draft_cost_per_token * c.catch_up <= cost)
+            if self.acceptance.note_idle(c.request_id, can_probe=affordable and not hopeless):
                 ks[j] = 1
+                catch_up_probe |= heavy
         return ks
 
     def estimates(self) -> dict[str, float]:

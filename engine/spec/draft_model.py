@@ -69,6 +69,9 @@ class DraftModelProposer:
             j += 1
         return min(st.start + j, len(token_ids) - 1)
 
+    def catch_up_tokens(self, request: DraftRequest) -> int:
+        return len(request.token_ids) - self._num_valid(request.request_id, request.token_ids)
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, DraftRequest, int]] = []  # (index, request, first position to feed)

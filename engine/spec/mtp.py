@@ -69,5 +69,8 @@ class MTPProposer:
             drafts[i] = row[: r.num_drafts]
         return drafts, all_logits
 
+    def catch_up_tokens(self, request: DraftRequest) -> int:
+        return 0  # nothing to recompute before drafting
+
     def release(self, request_id: str, finished: bool) -> None:
         self.hidden.pop(request_id, None)

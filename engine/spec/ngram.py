@@ -33,5 +33,8 @@ class NgramProposer:
         return [find_ngram_draft(np.asarray(r.token_ids, dtype=np.int64), self.min_n, self.max_n,
                                  r.num_drafts) for r in requests]
 
+    def catch_up_tokens(self, request: DraftRequest) -> int:
+        return 0  # nothing to recompute before drafting
+
     def release(self, request_id: str, finished: bool) -> None:
         return None  # stateless

@@ -26,6 +26,11 @@ class Proposer(Protocol):
         """One draft list per request, each at most `num_drafts` long (possibly empty)."""
         ...
 
+    def catch_up_tokens(self, request: DraftRequest) -> int:
+        """Tokens the proposer would process for this request before its first draft (state that fell
+        behind while the request was not drafting); the adaptive controller prices probes with it."""
+        ...
+
     def release(self, request_id: str, finished: bool) -> None:
         """Forget per-request state. `finished` is False for a preemption (the request comes back)."""
         ...

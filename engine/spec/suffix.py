@@ -127,6 +127,9 @@ class SuffixProposer:
             out.append(max(local, glob, key=lambda d: d[1])[0])
         return out
 
+    def catch_up_tokens(self, request: DraftRequest) -> int:
+        return 0  # nothing to recompute before drafting
+
     def release(self, request_id: str, finished: bool) -> None:
         entry = self._local.pop(request_id, None)
         if finished and entry is not None:
