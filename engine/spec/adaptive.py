@@ -277,8 +277,6 @@ class AdaptiveController:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
             marginal = self.cost.marginal(tokens, num_rows) + self.draft_cost_per_token
-            if ks[j] == 0:  # the first draft also pays for the proposer catching up
-                marginal += self.draft_cost_per_token * candidates[j].catch_up
             if g * cost <= gain * marginal:  # g / marginal <= gain / cost: no longer pays
                 break
             ks[j] += 1
@@ -292,9 +290,10 @@ class AdaptiveController:
         # stale (the text turned repetitive), and the step time at more tokens may be unknown yet. Not
         # when the draft alone costs more per token than the step's rate (a draft model as slow as the
         # target): then no estimate can make drafting pay. A probe that needs the proposer to catch up
-        # (a draft model's prefill of everything since the request last drafted) costs far more than a
-        # token: at most one such probe per step, and none that would cost more than the step itself;
-        # the others stay due. (32 requests catching up at once took a c = 32 run from 78 to 206 s.)
+        # (a draft model's prefill of everything since the request last drafted) costs a prefill, not
+        # a token: at most one such probe per step, the others stay due. (32 requests of a c = 32 level
+        # probing at once, before the draft's cost was known, took it from 78 to 206 s.) The catch-up is
+        # not priced per token: a batched prefill costs far less per token than drafting does.
         hopeless = gain * self.draft_cost_per_token >= cost
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
@@ -305,8 +304,8 @@ class AdaptiveController:
             if c.max_k <= 0:
                 continue
             heavy = c.catch_up > self.max_k + 1  # more than a verification's worth of tokens
-            affordable = not heavy or (not catch_up_probe and self.draft_cost_per_token * c.catch_up <= cost)
-            if self.acceptance.note_idle(c.request_id, can_probe=affordable and not hopeless):
+            can_probe = not hopeless and not (heavy and catch_up_probe)
+            if self.acceptance.note_idle(c.request_id, can_probe=can_probe):
                 ks[j] = 1
                 catch_up_probe |= heavy
         return ks
