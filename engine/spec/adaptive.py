@@ -291,9 +291,10 @@ class AdaptiveController:
         # when the draft alone costs more per token than the step's rate (a draft model as slow as the
         # target): then no estimate can make drafting pay. A probe that needs the proposer to catch up
         # (a draft model's prefill of everything since the request last drafted) costs a prefill, not
-        # a token: at most one such probe per step, the others stay due. (32 requests of a c = 32 level
-        # probing at once, before the draft's cost was known, took it from 78 to 206 s.) The catch-up is
-        # not priced per token: a batched prefill costs far less per token than drafting does.
+        # a token: at most one such probe per step, the others stay due (otherwise every request of a
+        # c = 32 level comes due together, before the draft's cost is known, and each prefills its whole
+        # context). The catch-up is not priced per token: a batched prefill costs far less per token
+        # than drafting does.
         hopeless = gain * self.draft_cost_per_token >= cost
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):

@@ -28,7 +28,8 @@ class Proposer(Protocol):
 
     def catch_up_tokens(self, request: DraftRequest) -> int:
         """Tokens the proposer would process for this request before its first draft (state that fell
-        behind while the request was not drafting); the adaptive controller prices probes with it."""
+        behind while the request was not drafting); the adaptive controller spaces out probes that need
+        such a catch-up."""
         ...
 
     def release(self, request_id: str, finished: bool) -> None:
