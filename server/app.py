@@ -119,6 +119,21 @@ async def _guard(work: Awaitable[Response]) -> Response:
         raise APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error") from e
 
 
+def _forget_endpoint_caches() -> None:
+    """FastAPI memoizes facts about endpoint callables in process-wide LRU caches; our endpoints close
+    over the engine client, so each app built in a process (one per test server) kept its engine, KV
+    cache and draft model alive after shutdown (+0.5 GiB per server). Clearing them only costs the
+    other apps of the process a recomputation."""
+    try:
+        from fastapi.dependencies import models
+    except ImportError:
+        return
+    for name in dir(models):
+        fn = getattr(models, name)
+        if name.endswith("_cached") and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
 async def _log_stats(client: EngineClient, interval: float) -> None:
     idle_logged = False
     while True:
@@ -151,6 +166,7 @@ def build_app(settings: ServerSettings, client: EngineClient) -> FastAPI:
                 stats_task.cancel()
             logger.info("shutting down the engine")
             await asyncio.to_thread(client.shutdown)
+            _forget_endpoint_caches()
 
     app = FastAPI(title="specserve", version=engine.__version__, lifespan=lifespan)
     app.state.settings = settings
