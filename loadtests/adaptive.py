@@ -66,15 +66,26 @@ def summarize(runs: list[dict[str, Any]], methods: list[str]) -> list[dict[str, 
                     run = by.get((label, wl))
                     return (run["levels"][i]["output_throughput_tok_s"] or 0.0) if run else 0.0
 
+                def per_round(label: str, i: int = i, wl: str = wl) -> list[float]:
+                    run = by.get((label, wl))
+                    level = run["levels"][i] if run else {}
+                    return [x or 0.0 for x in level.get("round_throughput_tok_s", [])]
+
                 statics = {k: tput(f"{method} k={k}") for k in STATIC_KS}
                 best_k = max(statics, key=lambda k: statics[k])
                 t_off, t_auto = tput("off"), tput(f"{method} auto")
                 best = max(t_off, statics[best_k])
+                # Per round, against the same K: the machine's speed drifts between rounds, a ratio
+                # within one round does not (the spread says how far one round can be trusted).
+                rounds = zip(per_round(f"{method} auto"), per_round("off"), per_round(f"{method} k={best_k}"),
+                             strict=False)
+                by_round = [a / max(o, s) if max(o, s) else None for a, o, s in rounds]
                 rows.append({"method": method, "workload": wl, "concurrency": lvl["concurrency"],
                              "off": t_off, "best_static_k": best_k, "best_static": statics[best_k],
                              "auto": t_auto, "auto_vs_best": t_auto / best if best else None,
                              "auto_vs_off": t_auto / t_off if t_off else None,
-                             "best_static_vs_off": statics[best_k] / t_off if t_off else None})
+                             "best_static_vs_off": statics[best_k] / t_off if t_off else None,
+                             "auto_vs_best_rounds": by_round})
     return rows
 
 
@@ -83,11 +94,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"{meta['load_average_start']:.1f} at the start); output tokens/s per level, all servers "
              "interleaved. Target: auto >= 0.98x max(off, best static K) everywhere.", "",
              "| method | workload | conc | off | best static K | best static | auto | auto / max(off, best) "
-             "| auto / off | best static / off |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| auto / off | best static / off | auto / max(off, best), per round |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        rounds = " ".join(_f(x) for x in r.get("auto_vs_best_rounds") or [])
         lines.append(f"| {r['method']} | {r['workload']} | {r['concurrency']} | {r['off']:.1f} | "
                      f"{r['best_static_k']} | {r['best_static']:.1f} | {r['auto']:.1f} | "
-                     f"{_f(r['auto_vs_best'])} | {_f(r['auto_vs_off'])} | {_f(r['best_static_vs_off'])} |")
+                     f"{_f(r['auto_vs_best'])} | {_f(r['auto_vs_off'])} | {_f(r['best_static_vs_off'])} | "
+                     f"{rounds or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -167,7 +167,8 @@ def merge_levels(parts: list[dict[str, Any]]) -> dict[str, Any]:
     specs = [p["spec_decode"] for p in parts if p.get("spec_decode")]
     return {"level": parts[0]["level"], "concurrency": parts[0]["concurrency"], "qps": parts[0]["qps"],
             **summarize(records, sum(p["duration_s"] for p in parts)),
-            "spec_decode": merge_spec(specs) if specs else None, "rounds": len(parts), "requests": records}
+            "spec_decode": merge_spec(specs) if specs else None, "rounds": len(parts),
+            "round_throughput_tok_s": [p["output_throughput_tok_s"] for p in parts], "requests": records}
 
 
 def run_level_sync(*args: Any, **kwargs: Any) -> dict[str, Any]:

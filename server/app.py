@@ -9,7 +9,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -119,21 +119,6 @@ async def _guard(work: Awaitable[Response]) -> Response:
         raise APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error") from e
 
 
-def _forget_endpoint_caches() -> None:
-    """FastAPI memoizes facts about endpoint callables in process-wide LRU caches; our endpoints close
-    over the engine client, so each app built in a process (one per test server) kept its engine, KV
-    cache and draft model alive after shutdown (+0.5 GiB per server). Clearing them only costs the
-    other apps of the process a recomputation."""
-    try:
-        from fastapi.dependencies import models
-    except ImportError:
-        return
-    for name in dir(models):
-        fn = getattr(models, name)
-        if name.endswith("_cached") and hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-
-
 async def _log_stats(client: EngineClient, interval: float) -> None:
     idle_logged = False
     while True:
@@ -150,83 +135,109 @@ async def _log_stats(client: EngineClient, interval: float) -> None:
             logger.info(spec_line)
 
 
+# Endpoints are module-level and read the engine from `request.app.state`: FastAPI memoizes facts about
+# endpoint callables in process-wide caches, so endpoints that closed over an app's engine client kept
+# every app's engine and KV cache alive after shutdown (+0.5 GiB per test server).
+router = APIRouter()
+
+
+def _client(request: Request) -> EngineClient:
+    return request.app.state.client
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    client = _client(raw)
+    if client.alive:
+        return JSONResponse({"status": "ok"})
+    reason = f": {client.error}" if client.error is not None else ""
+    return APIError(503, f"the engine thread is not running{reason}", code="engine_dead").response()
+
+
+@router.get("/version")
+async def version() -> dict[str, Any]:
+    return {"version": engine.__version__}
+
+
+@router.get("/v1/models")
+async def models(raw: Request) -> ModelList:
+    client = _client(raw)
+    loaded = client.core.loaded
+    return ModelList(data=[ModelCard(id=name, root=loaded.path, max_model_len=client.max_model_len)
+                           for name in client.served_model_names])
+
+
+@router.post("/v1/chat/completions")
+async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
+    return await _guard(_serving(raw).chat(req, raw))
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, raw: Request) -> Response:
+    return await _guard(_serving(raw).completions(req, raw))
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    client, serving = _client(raw), _serving(raw)
+    serving.resolve_model(req.model)
+    req.check()
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = serving.tokens.encode(req.prompt, add_special)
+    else:
+        assert req.messages is not None
+        ids = serving.tokens.render_chat(req.messages, req.add_generation_prompt,
+                                         req.continue_final_message, req.chat_template_kwargs)
+    strs = list(client.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids, token_strs=strs)
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    serving = _serving(raw)
+    serving.resolve_model(req.model)
+    vocab = _client(raw).core.loaded.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of vocabulary (size {vocab})", param="tokens")
+    return DetokenizeResponse(prompt=serving.tokens.decode(req.tokens, skip_special_tokens=False))
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    return Response(_client(raw).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the engine thread (and the stats log); stop it on shutdown."""
+    client: EngineClient = app.state.client
+    settings: ServerSettings = app.state.settings
+    client.start()
+    stats_task = None
+    if settings.log_stats_interval > 0 and not settings.disable_log_stats:
+        stats_task = asyncio.create_task(_log_stats(client, settings.log_stats_interval))
+    try:
+        yield
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        logger.info("shutting down the engine")
+        await asyncio.to_thread(client.shutdown)
+
+
 def build_app(settings: ServerSettings, client: EngineClient) -> FastAPI:
     """The app for an engine; its lifespan starts the engine thread and stops it on shutdown."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client.start()
-        stats_task = None
-        if settings.log_stats_interval > 0 and not settings.disable_log_stats:
-            stats_task = asyncio.create_task(_log_stats(client, settings.log_stats_interval))
-        try:
-            yield
-        finally:
-            if stats_task is not None:
-                stats_task.cancel()
-            logger.info("shutting down the engine")
-            await asyncio.to_thread(client.shutdown)
-            _forget_endpoint_caches()
-
-    app = FastAPI(title="specserve", version=engine.__version__, lifespan=lifespan)
+    app = FastAPI(title="specserve", version=engine.__version__, lifespan=_lifespan)
     app.state.settings = settings
     app.state.client = client
-    serving = OpenAIServing(client, settings)
-    app.state.serving = serving
+    app.state.serving = OpenAIServing(client, settings)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_body_size)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if client.alive:
-            return JSONResponse({"status": "ok"})
-        reason = f": {client.error}" if client.error is not None else ""
-        return APIError(503, f"the engine thread is not running{reason}", code="engine_dead").response()
-
-    @app.get("/version")
-    async def version() -> dict[str, Any]:
-        return {"version": engine.__version__}
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        loaded = client.core.loaded
-        return ModelList(data=[ModelCard(id=name, root=loaded.path, max_model_len=client.max_model_len)
-                               for name in client.served_model_names])
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await _guard(serving.chat(req, raw))
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await _guard(serving.completions(req, raw))
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        serving.resolve_model(req.model)
-        req.check()
-        if req.prompt is not None:
-            add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = serving.tokens.encode(req.prompt, add_special)
-        else:
-            assert req.messages is not None
-            ids = serving.tokens.render_chat(req.messages, req.add_generation_prompt,
-                                             req.continue_final_message, req.chat_template_kwargs)
-        strs = list(client.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
-                                token_strs=strs)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        serving.resolve_model(req.model)
-        vocab = client.core.loaded.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is out of vocabulary (size {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=serving.tokens.decode(req.tokens, skip_special_tokens=False))
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(client.metrics.render(), media_type=CONTENT_TYPE)
-
+    app.include_router(router)
     return app

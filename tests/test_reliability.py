@@ -411,9 +411,9 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path
 
 
 def test_a_stopped_server_frees_its_engine(make_server: Callable[..., Any]) -> None:
-    # FastAPI memoizes endpoint callables process-wide and the endpoints close over the engine client:
-    # the engine (KV cache, draft model) must still go with the server, or every server a process
-    # builds keeps 0.5 GiB (the test process reached 14 GB).
+    # FastAPI memoizes endpoint callables process-wide: endpoints that closed over the engine client
+    # kept every server's engine (KV cache, draft model) alive, 0.5 GiB each (the test process reached
+    # 14 GB). The engine must go with its server.
     with make_server() as srv:
         ref = weakref.ref(srv.core)
         assert ref() is not None
