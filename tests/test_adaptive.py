@@ -344,3 +344,20 @@ def test_benchmark_summary_ratios_per_round() -> None:
     assert row["auto_vs_best_rounds"] == pytest.approx([12.0 / 11.0, 5.0 / 6.0])
     md = markdown([row], {"date": "d", "wall_s": 1.0, "load_average_start": 0.5})
     assert md.rstrip().endswith("| 1.09 0.83 |")
+
+
+def test_controller_ab_table() -> None:
+    from tools.adaptive_ab import table
+
+    def run(label: str, rounds: list[float]) -> dict:
+        return {"label": label, "workload": "copy", "levels": [
+            {"concurrency": 32, "output_throughput_tok_s": sum(rounds) / 2,
+             "round_throughput_tok_s": rounds}]}
+
+    labels = ["off", "k=4", "auto (main)", "auto (candidate)"]
+    runs = [run("off", [10.0, 8.0]), run("k=4", [12.0, 10.0]), run("auto (main)", [12.0, 9.0]),
+            run("auto (candidate)", [9.0, 9.9])]
+    header, _, row = table(runs, labels, "k=4")
+    assert header.count("|") == row.count("|")
+    # main 10.5 / 11 = 0.95, candidate 9.45 / 11 = 0.86; per round 9 / 12 and 9.9 / 9
+    assert row == "| copy | 32 | 9.0 | 11.0 | 10.5 | 9.4 | 0.95 | 0.86 | 0.75 1.10 |"
