@@ -89,6 +89,25 @@ def test_drafts_priced_at_the_steps_request_count() -> None:
     assert c.choose(one, base_tokens=1) == [1]
 
 
+def test_draft_price_keeps_request_counts_apart_within_a_bucket() -> None:
+    # The 32-request bucket holds steps of 17-32 requests. Requests cost 15 ms each, drafts 5 ms. Where
+    # the wave drains (fewer requests, one draft each at most) while full steps draft more, the bucket's
+    # token curve mixes the two and overprices drafts; the fitted price does not.
+    rng = random.Random(0)
+    m = StepCostModel()
+    for _ in range(80):
+        rows = rng.choice([18, 24, 28, 32])
+        drafts = rng.choice([0, 1]) * rows if rows < 32 else rng.choice([0, 32, 64, 96])
+        m.observe(rows + drafts, 0.05 + 0.015 * rows + 0.005 * drafts + rng.gauss(0, 0.005), num_rows=rows)
+    assert m.draft_marginal(64, num_rows=32) == pytest.approx(0.005, rel=0.1)
+    assert m.marginal(64, num_rows=32) > 1.2 * 0.005  # the token curve alone, read at 32 requests
+    # No spread of draft counts yet (one request, 0-4 drafts): the token curve's slope stands in.
+    one = StepCostModel()
+    for k in (0, 1, 2, 3, 4) * 4:
+        one.observe(1 + k, 0.048 + 0.003 * k, num_rows=1)
+    assert one.draft_marginal(2, num_rows=1) == pytest.approx(one.marginal(2, num_rows=1))
+
+
 def test_acceptance_estimate_is_per_position_and_conditional() -> None:
     est = AcceptanceEstimator(max_k=4, ema=0.5)
     for _ in range(10):

@@ -4,7 +4,9 @@ of draft tokens (0 included) that maximises expected tokens per second of the wh
 Inputs, all learned online from the engine's own measurements:
 - `StepCostModel`: target step seconds as a function of the step's tokens at its number of requests,
   piecewise linear through a smoothed point per token-count bucket of the engine's decode/verify steps
-  with that many requests (a pooled curve, then a prior line, while those are unknown);
+  with that many requests (a pooled curve, then a prior line, while those are unknown); the price of a
+  draft token from a least-squares fit of those steps over requests and drafts together
+  (`DraftPriceFit`), once their draft counts have varied;
 - draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
   draft_model), an exponential moving average;
 - `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
@@ -94,6 +96,60 @@ class TokenCurve:
         return max(self.predict(num_tokens + 1) - self.predict(num_tokens), self.min_slope)
 
 
+class DraftPriceFit:
+    """Seconds per draft token at one request-count bucket: a recency-weighted least-squares fit of
+    step seconds = a + b * requests + c * drafts over that bucket's decode/verify steps.
+
+    A bucket above 8 spans many request counts (17-32 for the 32 bucket), and along its token axis
+    requests leaving and drafts mix: a step of 48 tokens may be 20 requests with 28 drafts or 32 with
+    16. The token curve then read 7.9 ms per token at 32 requests where drafts cost ~5 ms (32 copy
+    requests, static K = 4: 0.48 s plain, 0.97 s with 96 drafts), and auto drafted only its surest
+    tokens. Fitting both counts at once keeps the request term out of the draft price."""
+
+    def __init__(self, decay: float = 0.97, min_spread: float = 4.0) -> None:
+        self.decay = decay  # per observation: ~33 steps of memory
+        self.min_spread = min_spread  # weighted variance of draft counts needed to trust c
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+
+    def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
+        x = (1.0, float(num_rows), float(num_drafts))
+        for i in range(3):
+            self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
+
+    def per_draft(self) -> float | None:
+        """The fitted c; None while draft counts have not varied enough to tell it apart."""
+        w, sd, sdd = self._xx[0][0], self._xx[0][2], self._xx[2][2]
+        if w <= 0 or sdd / w - (sd / w) ** 2 < self.min_spread:
+            return None
+        # Ridge on the request term: with one request count it is the intercept's twin.
+        a = [row[:] for row in self._xx]
+        a[1][1] += 1e-6 * (a[1][1] + 1.0)
+        a[2][2] += 1e-9 * (a[2][2] + 1.0)
+        coef = _solve3(a, self._xy)
+        return None if coef is None else coef[2]
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for a 3x3 system; None when singular."""
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(3):
+        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for k in range(col, 4):
+                m[r][k] -= f * m[col][k]
+    x = [0.0] * 3
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][k] * x[k] for k in range(r + 1, 3))) / m[r][r]
+    return x
+
+
 class StepCostModel:
     """Step seconds as a function of the step's tokens and of how many requests (rows) it serves,
     learned from the engine's own steps.
@@ -109,6 +165,7 @@ class StepCostModel:
         self._prior, self._ema = prior, ema
         self.pooled = TokenCurve(prior, ema)
         self._by_rows: dict[int, TokenCurve] = {}
+        self._draft_fit: dict[int, DraftPriceFit] = {}
 
     def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None) -> None:
         if num_tokens <= 0 or seconds <= 0:
@@ -120,6 +177,11 @@ class StepCostModel:
             if curve is None:
                 curve = self._by_rows[b] = TokenCurve(self._prior, self._ema)
             curve.observe(num_tokens, seconds)
+            if num_tokens >= num_rows:  # decode/verify: one token per request plus its drafts
+                fit = self._draft_fit.get(b)
+                if fit is None:
+                    fit = self._draft_fit[b] = DraftPriceFit()
+                fit.observe(num_rows, num_tokens - num_rows, seconds)
 
     def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
         curve = self._by_rows.get(_bucket(num_rows)) if num_rows else None
@@ -135,6 +197,16 @@ class StepCostModel:
         """Seconds one more token adds to a step of `num_tokens` serving `num_rows` requests."""
         return max(self.predict(num_tokens + 1, num_rows) - self.predict(num_tokens, num_rows),
                    self.pooled.min_slope)
+
+    def draft_marginal(self, num_tokens: float, num_rows: int | None = None) -> float:
+        """Seconds one more draft token adds to a decode step serving `num_rows` requests: the bucket's
+        fitted price per draft once its steps have varied their drafts enough, else the token curve's
+        local slope."""
+        fit = self._draft_fit.get(_bucket(num_rows)) if num_rows else None
+        c = fit.per_draft() if fit is not None else None
+        if c is None:
+            return self.marginal(num_tokens, num_rows)
+        return max(c, self.pooled.min_slope)
 
 
 @dataclass(slots=True)
@@ -276,7 +348,7 @@ class AdaptiveController:
         while heap:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
-            marginal = self.cost.marginal(tokens, num_rows) + self.draft_cost_per_token
+            marginal = self.cost.draft_marginal(tokens, num_rows) + self.draft_cost_per_token
             if g * cost <= gain * marginal:  # g / marginal <= gain / cost: no longer pays
                 break
             ks[j] += 1
