@@ -7,19 +7,20 @@ from another source tree (a git worktree of the candidate branch), all up at onc
 
 The candidate server runs with PYTHONPATH set to its tree, so its `engine` package is imported from there.
 Prints a table with each round's ratio (the machine's speed drifts between rounds, a ratio within one does
-not) and writes `ab.json` (runs without per-request records) to the output folder. Never run it beside
-other CPU-heavy work: oversubscribed BLAS threads slow one server by 10x, not 2x.
+not) and writes `ab.json` (the load tests' result format, without per-request records) to the output
+folder. Never run it beside other CPU-heavy work: oversubscribed BLAS threads slow one server by 10x,
+not 2x.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import engine  # noqa: F401 - before any MLX import, as everywhere
+from loadtests import report
 from loadtests.adaptive import config, method_configs
 from loadtests.matrix import run_matrix, started
 from loadtests.servers import ServerSpec, default_model_folder, specserve_command
@@ -73,13 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"servers that did not start: {down}", file=sys.stderr)
             return 1
         runs = run_matrix(up, cfg)
-    for run in runs:
-        for lvl in run["levels"]:
-            lvl.pop("requests", None)
-    out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m tools.adaptive_ab", *sys.argv[1:]])
-    doc = {"command": command, "config": cfg.to_json(), "runs": runs}
-    (out / "ab.json").write_text(json.dumps(doc, indent=1, default=str))
+    doc = report.result_document("adaptive_ab", cfg.to_json(), runs, {"command": command})
+    report.write_json(doc, out / "ab.json", keep_requests=False)
     print("\n".join(table(runs, [s.label for s in specs], static)))
     return 0
 
