@@ -111,8 +111,11 @@ class DraftPriceFit:
         self.min_spread = min_spread  # weighted variance of draft counts needed to trust c
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
+        self._fitted = False  # per_draft() is asked once per candidate draft token: solve once per step
+        self._c: float | None = None
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
+        self._fitted = False
         x = (1.0, float(num_rows), float(num_drafts))
         for i in range(3):
             self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
@@ -121,6 +124,11 @@ class DraftPriceFit:
 
     def per_draft(self) -> float | None:
         """The fitted c; None while draft counts have not varied enough to tell it apart."""
+        if not self._fitted:
+            self._c, self._fitted = self._fit(), True
+        return self._c
+
+    def _fit(self) -> float | None:
         w, sd, sdd = self._xx[0][0], self._xx[0][2], self._xx[2][2]
         if w <= 0 or sdd / w - (sd / w) ** 2 < self.min_spread:
             return None
