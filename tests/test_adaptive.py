@@ -89,6 +89,27 @@ def test_drafts_priced_at_the_steps_request_count() -> None:
     assert c.choose(one, base_tokens=1) == [1]
 
 
+def test_a_dear_first_draft_does_not_hide_cheap_later_ones() -> None:
+    # One request on the curve measured here (55 ms plain, +35 ms for the first draft token, +5 ms for
+    # each after it) with position-0 acceptance 0.6: the first token alone does not pay (0.6 tokens for
+    # 35 ms against 1 per 55 ms), four together do (3.1 tokens in 110 ms against 1 in 55 ms).
+    c, one = controller(fixed=0.0, per_token=0.0, accept=0.9, max_k=4)
+    c.cost = StepCostModel()
+    for _ in range(5):
+        for tokens, seconds in ((1, 0.055), (2, 0.090), (3, 0.095), (4, 0.100), (5, 0.105)):
+            c.observe_step(tokens, seconds, num_rows=1)
+    for _ in range(300):  # position 0 right 6 times in 10, later ones nearly always
+        c.observe_verification("r0", 4, 4 if random.Random(_).random() < 0.6 else 0)
+    assert 0.5 < c.acceptance.probabilities("r0")[0] < 0.7
+    assert c.choose(one, base_tokens=1, num_rows=1) == [4]
+    # With a flat price per draft token the same acceptance buys nothing: no hidden cheap tail.
+    c.cost = StepCostModel()
+    for _ in range(5):
+        for tokens in range(1, 6):
+            c.observe_step(tokens, 0.055 + 0.035 * (tokens - 1), num_rows=1)
+    assert c.choose(one, base_tokens=1, num_rows=1) == [0]
+
+
 def test_draft_price_keeps_request_counts_apart_within_a_bucket() -> None:
     # The 32-request bucket holds steps of 17-32 requests. Requests cost 15 ms each, drafts 5 ms. Where
     # the wave drains (fewer requests, one draft each at most) while full steps draft more, the bucket's
@@ -210,6 +231,26 @@ def test_idle_request_is_reprobed_with_backoff() -> None:
     assert len(probes) >= 2
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # waits grow after repeated failures
+
+
+def test_a_good_request_after_bad_ones_drafts_again_within_its_output() -> None:
+    # The method's average is low (free-form requests before it); this request copies its prompt and
+    # every draft it is given is right. Its probes must lift its estimate fast enough that it drafts by
+    # choice well within a 64-token output, not after ten probes at doubling intervals.
+    c, _ = controller(fixed=0.035, per_token=0.007, accept=0.0, max_k=4, requests=0)
+    rng = random.Random(1)
+    for i in range(400):  # a first draft right 1 time in 10; once right, the next ones mostly are
+        accepted = 0 if rng.random() > 0.1 else sum(1 for _ in range(3) if rng.random() < 0.8) + 1
+        c.observe_verification(f"bad{i % 8}", 4, accepted)
+    good = [Candidate("good", 4)]
+    drafted = []
+    for _ in range(64):
+        k = c.choose(good, base_tokens=1)[0]
+        if k:
+            c.observe_verification("good", k, k)
+        drafted.append(k)
+    assert drafted[0] == 0  # seeded by the bad requests: no drafts on the estimate alone
+    assert sum(drafted[:24]) >= 12 and all(k >= 2 for k in drafted[32:])
 
 
 def test_probes_back_off_even_when_accepted_and_stop_when_hopeless() -> None:
