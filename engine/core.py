@@ -179,7 +179,8 @@ class EngineCore:
         now = time.monotonic()
         if self.adaptive is not None and all(sr.num_logits == len(sr.token_ids) for sr in so.scheduled):
             # Decode/verify steps only: a long prefill chunk is far cheaper per token than draft rows.
-            self.adaptive.observe_step(so.num_batched_tokens, now - t0, len(so.scheduled))
+            drafting = sum(1 for sr in so.scheduled if len(sr.token_ids) > 1)
+            self.adaptive.observe_step(so.num_batched_tokens, now - t0, len(so.scheduled), drafting)
         stats = self._new_stats(now, now - t0, len(so.scheduled))
         stats.num_preempted = len(so.preempted_ids)
         stats.finished, self._finished_backlog = self._finished_backlog, []
@@ -296,8 +297,8 @@ class EngineCore:
             targets.append(req)
         if self.adaptive is not None and reqs:
             cands = [Candidate(r.request_id, r.num_drafts, self.proposer.catch_up_tokens(r)) for r in reqs]
-            base_tokens, base_yield, rows = self._next_step_tokens()
-            ks = self.adaptive.choose(cands, base_tokens, base_yield, num_rows=rows)
+            rows = self._decoding_requests()
+            ks = self.adaptive.choose(cands, rows, rows, num_rows=rows)
             stats.spec_chosen_k = list(ks)
             for r, k in zip(reqs, ks, strict=True):
                 r.num_drafts = k
@@ -326,17 +327,12 @@ class EngineCore:
         if self.adaptive is not None:
             self.adaptive.observe_draft(sum(len(r.spec_token_ids) for r in targets), time.monotonic() - t0)
 
-    def _next_step_tokens(self) -> tuple[int, int, int]:
-        """(tokens the next step computes before drafts: one per decoding request plus prefill chunks,
-        tokens it emits without drafts: one per decoding request, sampled ones included, requests it
-        serves)."""
-        total = emitted = 0
-        for req in self.scheduler.running:
-            todo = max(1, req.num_tokens - req.num_computed_tokens)
-            total += todo
-            emitted += todo == 1
-        rows = min(len(self.scheduler.running), self.config.max_num_seqs)
-        return min(total, self.config.max_num_batched_tokens), emitted, rows
+    def _decoding_requests(self) -> int:
+        """Requests the next step decodes (sampled ones included): the step whose rate drafting must
+        beat. Prefill chunks in the same step are left out: their time is spent whatever the drafts,
+        and counted in the rate they made a mixed step look slow (1 token in 2 s), so that a draft
+        model's catch-up prefill seemed to pay and a self-draft drafted at every new wave."""
+        return sum(1 for req in self.scheduler.running if req.num_tokens - req.num_computed_tokens <= 1)
 
     def _call_proposer(self, reqs: list[DraftRequest]) -> list[list[int]]:
         assert self.proposer is not None

@@ -4,9 +4,10 @@ of draft tokens (0 included) that maximises expected tokens per second of the wh
 Inputs, all learned online from the engine's own measurements:
 - `StepCostModel`: target step seconds as a function of the step's tokens at its number of requests,
   piecewise linear through a smoothed point per token-count bucket of the engine's decode/verify steps
-  with that many requests (a pooled curve, then a prior line, while those are unknown); the price of a
-  draft token from a least-squares fit of those steps over requests and drafts together
-  (`DraftPriceFit`), once their draft counts have varied;
+  with that many requests (a pooled curve, then a prior line, while those are unknown); the prices of
+  a request's first draft token and of each further one from a least-squares fit of those steps over
+  requests, drafting requests and draft tokens together (`DraftPriceFit`), once their draft counts
+  have varied;
 - draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
   draft_model), an exponential moving average;
 - `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
@@ -97,64 +98,93 @@ class TokenCurve:
 
 
 class DraftPriceFit:
-    """Seconds per draft token at one request-count bucket: a recency-weighted least-squares fit of
-    step seconds = a + b * requests + c * drafts over that bucket's decode/verify steps.
+    """Draft prices at one request-count bucket: a recency-weighted least-squares fit of step seconds =
+    a + b * requests + c1 * requests drafting + c2 * draft tokens over that bucket's decode/verify steps.
+    A request's first draft token costs c1 + c2, each further one c2.
 
-    A bucket above 8 spans many request counts (17-32 for the 32 bucket), and along its token axis
-    requests leaving and drafts mix: a step of 48 tokens may be 20 requests with 28 drafts or 32 with
-    16. The token curve then read 7.9 ms per token at 32 requests where drafts cost ~5 ms (32 copy
-    requests, static K = 4: 0.48 s plain, 0.97 s with 96 drafts), and auto drafted only its surest
-    tokens. Fitting both counts at once keeps the request term out of the draft price."""
+    Why two draft terms: a request that drafts turns its one-token row into a multi-token query, and
+    that costs more than the tokens do (16 requests here, static K = 0/1/2/4: 441/552/574/662 ms, so ~7
+    ms for a request's first draft token and ~2 ms for each one after); one price per token overprices
+    deep drafts and underprices shallow ones. Why requests as a term: a bucket above 8 spans many
+    request counts (17-32), and along its token axis requests leaving and drafts mix; the token curve
+    read 7.9 ms per draft token at 32 requests where drafts cost ~5 ms. While the drafting-request count
+    has not varied apart from the draft count (every drafting request took the same K), the fit keeps
+    one price per token (c1 = 0)."""
 
-    def __init__(self, decay: float = 0.97, min_spread: float = 4.0) -> None:
+    def __init__(self, decay: float = 0.97, min_spread: float = 4.0, min_request_spread: float = 1.0) -> None:
         self.decay = decay  # per observation: ~33 steps of memory
-        self.min_spread = min_spread  # weighted variance of draft counts needed to trust c
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
-        self._fitted = False  # per_draft() is asked once per candidate draft token: solve once per step
-        self._c: float | None = None
+        self.min_spread = min_spread  # weighted variance of draft counts needed to trust c2
+        # ... and of drafting-request counts not explained by draft counts, to trust c1.
+        self.min_request_spread = min_request_spread
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
+        self._fitted = False  # prices() is asked once per candidate draft token: solve once per step
+        self._prices: tuple[float, float] | None = None
 
-    def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
+    def observe(self, num_rows: int, num_drafts: int, seconds: float,
+                num_drafting: int | None = None) -> None:
         self._fitted = False
-        x = (1.0, float(num_rows), float(num_drafts))
-        for i in range(3):
+        drafting = float(num_drafting if num_drafting is not None else min(num_drafts, num_rows))
+        x = (1.0, float(num_rows), drafting, float(num_drafts))
+        for i in range(4):
             self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(4):
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
 
-    def per_draft(self) -> float | None:
-        """The fitted c; None while draft counts have not varied enough to tell it apart."""
+    def prices(self) -> tuple[float, float] | None:
+        """(first draft token of a request, each further one) in seconds; None while draft counts have
+        not varied enough to tell them apart from the rest of the step."""
         if not self._fitted:
-            self._c, self._fitted = self._fit(), True
-        return self._c
+            self._prices, self._fitted = self._fit(), True
+        return self._prices
 
-    def _fit(self) -> float | None:
-        w, sd, sdd = self._xx[0][0], self._xx[0][2], self._xx[2][2]
-        if w <= 0 or sdd / w - (sd / w) ** 2 < self.min_spread:
+    def per_draft(self) -> float | None:
+        """The price of a further draft token (of the first one when the fit keeps one price)."""
+        p = self.prices()
+        return None if p is None else p[1]
+
+    def _fit(self) -> tuple[float, float] | None:
+        xx, w = self._xx, self._xx[0][0]
+        if w <= 0:
             return None
-        # Ridge on the request term: with one request count it is the intercept's twin.
-        a = [row[:] for row in self._xx]
+        mr, md = xx[0][2] / w, xx[0][3] / w
+        var_d = xx[3][3] / w - md * md
+        if var_d < self.min_spread:
+            return None
+        var_r, cov = xx[2][2] / w - mr * mr, xx[2][3] / w - mr * md
+        if var_r - cov * cov / var_d >= self.min_request_spread:
+            coef = self._lsq((0, 1, 2, 3))
+            if coef is not None and coef[2] >= 0:
+                return coef[2] + coef[3], coef[3]
+            # A first draft cheaper than the next ones is noise: fall back to one price per token.
+        coef = self._lsq((0, 1, 3))
+        return None if coef is None else (coef[2], coef[2])
+
+    def _lsq(self, terms: tuple[int, ...]) -> list[float] | None:
+        a = [[self._xx[i][j] for j in terms] for i in terms]
+        # Ridge: with one request count the request term is the intercept's twin.
         a[1][1] += 1e-6 * (a[1][1] + 1.0)
-        a[2][2] += 1e-9 * (a[2][2] + 1.0)
-        coef = _solve3(a, self._xy)
-        return None if coef is None else coef[2]
+        for k in range(2, len(terms)):
+            a[k][k] += 1e-9 * (a[k][k] + 1.0)
+        return _solve(a, [self._xy[i] for i in terms])
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a 3x3 system; None when singular."""
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-12:
             return None
         m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
-            for k in range(col, 4):
+            for k in range(col, n + 1):
                 m[r][k] -= f * m[col][k]
-    x = [0.0] * 3
-    for r in (2, 1, 0):
-        x[r] = (m[r][3] - sum(m[r][k] * x[k] for k in range(r + 1, 3))) / m[r][r]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
     return x
 
 
@@ -175,7 +205,9 @@ class StepCostModel:
         self._by_rows: dict[int, TokenCurve] = {}
         self._draft_fit: dict[int, DraftPriceFit] = {}
 
-    def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None,
+                num_drafting: int | None = None) -> None:
+        """One decode/verify step: `num_rows` requests, `num_drafting` of them verifying drafts."""
         if num_tokens <= 0 or seconds <= 0:
             return
         self.pooled.observe(num_tokens, seconds)
@@ -189,7 +221,7 @@ class StepCostModel:
                 fit = self._draft_fit.get(b)
                 if fit is None:
                     fit = self._draft_fit[b] = DraftPriceFit()
-                fit.observe(num_rows, num_tokens - num_rows, seconds)
+                fit.observe(num_rows, num_tokens - num_rows, seconds, num_drafting)
 
     def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
         curve = self._by_rows.get(_bucket(num_rows)) if num_rows else None
@@ -206,15 +238,26 @@ class StepCostModel:
         return max(self.predict(num_tokens + 1, num_rows) - self.predict(num_tokens, num_rows),
                    self.pooled.min_slope)
 
-    def draft_marginal(self, num_tokens: float, num_rows: int | None = None) -> float:
-        """Seconds one more draft token adds to a decode step serving `num_rows` requests: the bucket's
-        fitted price per draft once its steps have varied their drafts enough, else the token curve's
-        local slope."""
+    def measured(self, num_rows: int | None = None) -> bool:
+        """Whether draft prices at this request count come from steps (a fit, or a curve through at least
+        two points) rather than from a prior."""
+        if num_rows:
+            fit = self._draft_fit.get(_bucket(num_rows))
+            curve = self._by_rows.get(_bucket(num_rows))
+            if fit is not None and fit.prices() is not None:
+                return True
+            return curve is not None and len(curve.points()) >= 2
+        return len(self.pooled.points()) >= 2
+
+    def draft_marginal(self, num_tokens: float, num_rows: int | None = None, first: bool = False) -> float:
+        """Seconds one more draft token adds to a decode step serving `num_rows` requests (`first`: the
+        request's first draft this step): the bucket's fitted prices once its steps have varied their
+        drafts enough, else the token curve's local slope."""
         fit = self._draft_fit.get(_bucket(num_rows)) if num_rows else None
-        c = fit.per_draft() if fit is not None else None
-        if c is None:
+        p = fit.prices() if fit is not None else None
+        if p is None:
             return self.marginal(num_tokens, num_rows)
-        return max(c, self.pooled.min_slope)
+        return max(p[0] if first else p[1], self.pooled.min_slope)
 
 
 @dataclass(slots=True)
@@ -328,8 +371,9 @@ class AdaptiveController:
         self._draft_seen = False
 
     # -- observations ----------------------------------------------------------------------------
-    def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None) -> None:
-        self.cost.observe(num_tokens, seconds, num_rows)
+    def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None,
+                     num_drafting: int | None = None) -> None:
+        self.cost.observe(num_tokens, seconds, num_rows, num_drafting)
 
     def observe_draft(self, num_draft_tokens: int, seconds: float) -> None:
         if num_draft_tokens <= 0:
@@ -372,7 +416,8 @@ class AdaptiveController:
         while heap:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
-            marginal = self.cost.draft_marginal(tokens, num_rows) + self.draft_cost_per_token
+            first = taken[j] == 0
+            marginal = self.cost.draft_marginal(tokens, num_rows, first) + self.draft_cost_per_token
             order.append(j)
             tokens += 1
             gain += g
@@ -388,14 +433,15 @@ class AdaptiveController:
         gain, cost = best_gain, best_cost
         # Re-probe requests that have not drafted for a while, with one token: their estimate may be
         # stale (the text turned repetitive), and the step time at more tokens may be unknown yet. Not
-        # when the draft alone costs more per token than the step's rate (a draft model as slow as the
-        # target): then no estimate can make drafting pay. A probe that needs the proposer to catch up
-        # (a draft model's prefill of everything since the request last drafted) costs a prefill, not
-        # a token: at most one such probe per step, the others stay due (otherwise every request of a
-        # c = 32 level comes due together, before the draft's cost is known, and each prefills its whole
-        # context). The catch-up is not priced per token: a batched prefill costs far less per token
-        # than drafting does.
-        hopeless = gain * self.draft_cost_per_token >= cost
+        # when drafts sure to be accepted would still lower the step's rate at any K: then no estimate
+        # can make drafting pay (a draft model as slow per token as the target: its own time matches
+        # the step's rate, and verifying the draft comes on top). A probe that needs the proposer to
+        # catch up (a draft model's prefill of everything since the request last drafted) costs a
+        # prefill, not a token: at most one such probe per step, the others stay due (otherwise every
+        # request of a c = 32 level comes due together, before the draft's cost is known, and each
+        # prefills its whole context). The catch-up is not priced per token: a batched prefill costs
+        # far less per token than drafting does.
+        hopeless = self._hopeless(gain, cost, base_tokens, num_rows)
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
             c = candidates[j]
@@ -410,6 +456,17 @@ class AdaptiveController:
                 ks[j] = 1
                 catch_up_probe |= heavy
         return ks
+
+    def _hopeless(self, gain: float, cost: float, tokens: int, num_rows: int | None) -> bool:
+        """True when k drafts of one request, all accepted, lower the rate gain / cost for every k.
+        Verification counts only once its price is measured at this request count: until then a probe is
+        how it gets measured."""
+        first = more = 0.0
+        if self.cost.measured(num_rows):
+            first = self.cost.draft_marginal(tokens, num_rows, first=True)
+            more = self.cost.draft_marginal(tokens, num_rows)
+        d = self.draft_cost_per_token
+        return all(k * cost <= gain * (first + (k - 1) * more + k * d) for k in range(1, self.max_k + 1))
 
     def estimates(self) -> dict[str, float]:
         """Current cost-model terms, for the metrics gauges: one-token step, the marginal token at 8 and
