@@ -138,11 +138,6 @@ class DraftPriceFit:
             self._prices, self._fitted = self._fit(), True
         return self._prices
 
-    def per_draft(self) -> float | None:
-        """The price of a further draft token (of the first one when the fit keeps one price)."""
-        p = self.prices()
-        return None if p is None else p[1]
-
     def _fit(self) -> tuple[float, float] | None:
         xx, w = self._xx, self._xx[0][0]
         if w <= 0:
