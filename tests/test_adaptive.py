@@ -151,6 +151,33 @@ def test_a_requests_first_draft_is_priced_apart_from_the_next_ones() -> None:
     assert first == more == pytest.approx(0.00325, rel=0.15)
 
 
+def test_a_new_load_level_borrows_the_nearest_levels_draft_prices() -> None:
+    # 16 requests fitted (first draft 7 ms, further ones 2 ms); then the first steps at 32 requests,
+    # whose draft counts have not varied yet: their token curve's slope would price every draft like a
+    # first one, so the 16-request prices stand in until the 32-request steps fit their own.
+    rng = random.Random(0)
+    m = StepCostModel()
+    for _ in range(120):
+        ks = [rng.choice([0, 0, 1, 2, 3, 4]) for _ in range(16)]
+        drafting, drafts = sum(1 for k in ks if k), sum(ks)
+        m.observe(16 + drafts, 0.44 + 0.005 * drafting + 0.002 * drafts, num_rows=16, num_drafting=drafting)
+    m.observe(32, 0.40, num_rows=32, num_drafting=0)
+    m.observe(62, 0.85, num_rows=32, num_drafting=30)  # one draft each: 15 ms per draft on the curve
+    assert m.marginal(40, num_rows=32) == pytest.approx(0.015, rel=0.05)
+    assert m.draft_marginal(40, num_rows=32, first=True) == pytest.approx(0.007, rel=0.1)
+    assert m.draft_marginal(40, num_rows=32) == pytest.approx(0.002, rel=0.1)
+    assert m.measured(32)
+    # Not from further than a factor of two: 64 requests (32 unfitted, 16 four times fewer) use the curve.
+    assert m.draft_prices(64) is None
+    # Once the 32-request steps vary their drafts, their own prices win.
+    for _ in range(120):
+        ks = [rng.choice([0, 0, 1, 2, 3, 4]) for _ in range(32)]
+        drafting, drafts = sum(1 for k in ks if k), sum(ks)
+        m.observe(32 + drafts, 0.40 + 0.008 * drafting + 0.004 * drafts, num_rows=32, num_drafting=drafting)
+    assert m.draft_marginal(40, num_rows=32, first=True) == pytest.approx(0.012, rel=0.1)
+    assert m.draft_marginal(40, num_rows=32) == pytest.approx(0.004, rel=0.1)
+
+
 def test_acceptance_estimate_is_per_position_and_conditional() -> None:
     est = AcceptanceEstimator(max_k=4, ema=0.5)
     for _ in range(10):

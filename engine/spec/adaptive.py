@@ -23,6 +23,7 @@ confident drafts make the rate grow; at batch 1 with cheap verification most do.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 # Probability assumed for a position the request has never reached (before any method average).
@@ -131,6 +132,11 @@ class DraftPriceFit:
             for j in range(4):
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
 
+    @property
+    def weight(self) -> float:
+        """Decayed number of steps the fit rests on."""
+        return self._xx[0][0]
+
     def prices(self) -> tuple[float, float] | None:
         """(first draft token of a request, each further one) in seconds; None while draft counts have
         not varied enough to tell them apart from the rest of the step."""
@@ -199,6 +205,9 @@ class StepCostModel:
         self.pooled = TokenCurve(prior, ema)
         self._by_rows: dict[int, TokenCurve] = {}
         self._draft_fit: dict[int, DraftPriceFit] = {}
+        # A bucket's own draft prices count once fitted on this many (decayed) steps; before that a
+        # fit on two or three steps has seen one K mix and prices every draft like a request's first.
+        self.own_fit_steps = 6.0
 
     def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None,
                 num_drafting: int | None = None) -> None:
@@ -237,9 +246,8 @@ class StepCostModel:
         """Whether draft prices at this request count come from steps (a fit, or a curve through at least
         two points) rather than from a prior."""
         if num_rows:
-            fit = self._draft_fit.get(_bucket(num_rows))
             curve = self._by_rows.get(_bucket(num_rows))
-            if fit is not None and fit.prices() is not None:
+            if self.draft_prices(num_rows) is not None:
                 return True
             return curve is not None and len(curve.points()) >= 2
         return len(self.pooled.points()) >= 2
@@ -248,11 +256,32 @@ class StepCostModel:
         """Seconds one more draft token adds to a decode step serving `num_rows` requests (`first`: the
         request's first draft this step): the bucket's fitted prices once its steps have varied their
         drafts enough, else the token curve's local slope."""
-        fit = self._draft_fit.get(_bucket(num_rows)) if num_rows else None
-        p = fit.prices() if fit is not None else None
+        p = self.draft_prices(num_rows)
         if p is None:
             return self.marginal(num_tokens, num_rows)
         return max(p[0] if first else p[1], self.pooled.min_slope)
+
+    def draft_prices(self, num_rows: int | None) -> tuple[float, float] | None:
+        """The fitted (first, further) draft prices at this request count; for its first steps (a new load
+        level), those of the nearest bucket within a factor of two that has settled prices. Why borrow: at
+        a new level the token curve's slope, or a fit on two or three steps of one K mix, prices every
+        draft like a request's first (14 ms at 32 requests where further drafts cost 4), and a wave of
+        64-token requests at c = 32 lasts ~25 steps: the steps until the bucket's own fit settles cost a
+        static K = 4 server's lead of several percent."""
+        if not num_rows:
+            return None
+        b = _bucket(num_rows)
+        fit = self._draft_fit.get(b)
+        own = fit.prices() if fit is not None else None
+        if own is not None and fit.weight >= self.own_fit_steps:  # type: ignore[union-attr]
+            return own
+        near = sorted((abs(math.log2(k / b)), -k) for k in self._draft_fit if k != b and k <= 2 * b <= 4 * k)
+        for _, neg_k in near:
+            other = self._draft_fit[-neg_k]
+            p = other.prices()
+            if p is not None and other.weight >= self.own_fit_steps:
+                return p
+        return own
 
 
 @dataclass(slots=True)
