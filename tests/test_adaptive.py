@@ -149,6 +149,18 @@ def test_a_requests_first_draft_is_priced_apart_from_the_next_ones() -> None:
         same.observe(16 + 4 * n, 0.44 + 0.013 * n + rng.gauss(0, 0.003), num_rows=16, num_drafting=n)
     first, more = same.draft_marginal(40, 16, first=True), same.draft_marginal(40, 16)
     assert first == more == pytest.approx(0.00325, rel=0.15)
+    # Once told apart, a steady stretch (16 requests drafting every step, 40-64 drafts) keeps the split.
+    for _ in range(200):
+        drafts = rng.randint(40, 64)
+        m.observe(16 + drafts, 0.44 + 0.005 * 16 + 0.002 * drafts + rng.gauss(0, 0.003), num_rows=16,
+                  num_drafting=16)
+    assert m.draft_marginal(40, num_rows=16, first=True) == pytest.approx(0.007, rel=0.15)
+    assert m.draft_marginal(40, num_rows=16) == pytest.approx(0.002, rel=0.25)
+    # Noise that fits a negative price per draft is no price at all (the curve stands in), not free drafts.
+    neg = StepCostModel()
+    for d in (0, 8, 16, 0, 8, 16):
+        neg.observe(16 + d, 0.44 - 0.001 * d, num_rows=16, num_drafting=min(d, 16))
+    assert neg.draft_prices(16) is None
 
 
 def test_a_new_load_level_borrows_the_nearest_levels_draft_prices() -> None:
@@ -395,6 +407,7 @@ def test_auto_is_exact_at_batch_1_and_4(method: str) -> None:
         assert drafted > 0, "auto never drafted on copy-heavy prompts"
     est = llm.core.adaptive.estimates()
     assert est["step_1_token_seconds"] > 0 and est["step_per_token_at_8_seconds"] > 0
+    assert est["verify_first_draft_seconds"] >= est["verify_further_draft_seconds"] > 0
     assert_pool_full(llm)
 
 
@@ -410,7 +423,7 @@ def test_auto_metrics_exposed(make_server) -> None:  # noqa: ANN001
         scrape = httpx.get(srv.url + "/metrics").text
     assert "specserve:spec_decode_chosen_num_speculative_tokens_count" in scrape
     assert 'specserve:spec_decode_num_requests{drafting="true"' in scrape
-    assert 'term="step_1_token"' in scrape
+    assert 'term="step_1_token"' in scrape and 'term="verify_further_draft"' in scrape
     count = next(float(line.split()[-1]) for line in scrape.splitlines()
                  if line.startswith("specserve:spec_decode_chosen_num_speculative_tokens_count"))
     assert count >= 10  # one observation per request-step that could draft

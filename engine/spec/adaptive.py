@@ -121,6 +121,7 @@ class DraftPriceFit:
         self._xy = [0.0] * 4
         self._fitted = False  # prices() is asked once per candidate draft token: solve once per step
         self._prices: tuple[float, float] | None = None
+        self._split: tuple[float, float] | None = None  # the last fit that told the two prices apart
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float,
                 num_drafting: int | None = None) -> None:
@@ -155,11 +156,18 @@ class DraftPriceFit:
         var_r, cov = xx[2][2] / w - mr * mr, xx[2][3] / w - mr * md
         if var_r - cov * cov / var_d >= self.min_request_spread:
             coef = self._lsq((0, 1, 2, 3))
-            if coef is not None and coef[2] >= 0:
-                return coef[2] + coef[3], coef[3]
-            # A first draft cheaper than the next ones is noise: fall back to one price per token.
+            if coef is not None and coef[2] >= 0 and coef[3] > 0:
+                self._split = (coef[2] + coef[3], coef[3])
+                return self._split
+            # A first draft cheaper than the next ones is noise: fall back.
+        if self._split is not None:
+            # Steady load (every step ~the same requests drafting, only the draft count moving) cannot
+            # tell the two prices apart: keep the last split rather than one mean price, which prices
+            # further drafts at ~6 ms where they cost ~4 (32 requests) and stops them at K ~3.
+            return self._split
         coef = self._lsq((0, 1, 3))
-        return None if coef is None else (coef[2], coef[2])
+        # A negative price is noise in a few steps, not free drafts.
+        return None if coef is None or coef[2] <= 0 else (coef[2], coef[2])
 
     def _lsq(self, terms: tuple[int, ...]) -> list[float] | None:
         a = [[self._xx[i][j] for j in terms] for i in terms]
@@ -393,6 +401,7 @@ class AdaptiveController:
         self.acceptance = AcceptanceEstimator(max_k, ema=ema, base_probe=base_probe)
         self.draft_cost_per_token = 0.0  # seconds, EMA of the proposer's time per drafted token
         self._draft_seen = False
+        self._last_rows: int | None = None  # requests in the last step chosen for: the gauges' draft prices
 
     # -- observations ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None,
@@ -422,6 +431,7 @@ class AdaptiveController:
         ks = [0] * len(candidates)
         if not candidates:
             return ks
+        self._last_rows = num_rows
         gain = float(base_yield if base_yield is not None else len(candidates))
         tokens = base_tokens
         cost = self.cost.predict(tokens, num_rows)
@@ -494,8 +504,11 @@ class AdaptiveController:
 
     def estimates(self) -> dict[str, float]:
         """Current cost-model terms, for the metrics gauges: one-token step, the marginal token at 8 and
-        at 64 tokens, and the proposer's time per drafted token."""
-        c = self.cost
+        at 64 tokens, the proposer's time per drafted token, and the verification prices of a request's
+        first draft token and of each further one at the last step's request count."""
+        c, rows = self.cost, self._last_rows or 1
         return {"step_1_token_seconds": c.predict(1), "step_per_token_at_8_seconds": c.marginal(8),
                 "step_per_token_at_64_seconds": c.marginal(64),
-                "draft_per_token_seconds": self.draft_cost_per_token}
+                "draft_per_token_seconds": self.draft_cost_per_token,
+                "verify_first_draft_seconds": c.draft_marginal(rows, rows, first=True),
+                "verify_further_draft_seconds": c.draft_marginal(rows, rows)}
