@@ -43,12 +43,12 @@ def method_configs(method: str, model_folder: str, mtp_model: str | None = None)
 
 
 def config(quick: bool, concurrency: list[int] | None = None,
-           workloads: list[str] | None = None, rounds: int = 1) -> MatrixConfig:
+           workloads: list[str] | None = None, rounds: int = 1, requests_per_slot: int = 1) -> MatrixConfig:
     levels = [Level(concurrency=c) for c in (concurrency or ((1, 8) if quick else (1, 8, 16, 32)))]
     return MatrixConfig(workloads=workloads or ["copy", "mixed-temp"], levels=levels,
                         max_tokens=48 if quick else 64,
-                        requests_per_slot=1, min_requests=3 if quick else 4, duration_s=30 if quick else 60,
-                        warmup=1, rounds=rounds)
+                        requests_per_slot=requests_per_slot, min_requests=3 if quick else 4,
+                        duration_s=30 if quick else 60, warmup=1, rounds=rounds)
 
 
 def summarize(runs: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     specs = [ServerSpec(label=label, command=specserve_command(cfg)) for label, cfg in modes.items()]
     out = Path(args.output_dir or ("results/tmp/adaptive-quick" if args.quick else "results/adaptive"))
     cfg = config(args.quick, [int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
-                 args.workloads.split(",") if args.workloads else None, args.rounds)
+                 args.workloads.split(",") if args.workloads else None, args.rounds, args.requests_per_slot)
     # `timeout` and kill send SIGTERM: exit through `started`'s cleanup, or the servers outlive us.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with started(specs, out / "logs") as (up, down):
@@ -150,5 +150,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure each level this many times (other prompts each round, order alternating); "
                         "one round of 4 requests at c = 1 moves +-15%% between identical servers")
+    p.add_argument("--requests-per-slot", type=int, default=1,
+                   help="requests each client sends in turn per level (default 1: one wave, whose wall runs "
+                        "to its last completion; more: sustained load, a finished request's slot refilled)")
     p.add_argument("--output-dir", default=None)
     p.set_defaults(func=run)

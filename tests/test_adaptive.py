@@ -129,16 +129,21 @@ def test_draft_price_keeps_request_counts_apart_within_a_bucket() -> None:
     assert one.draft_marginal(2, num_rows=1) == pytest.approx(one.marginal(2, num_rows=1))
 
 
-def test_a_requests_first_draft_is_priced_apart_from_the_next_ones() -> None:
-    # 16 requests; a drafting request costs 5 ms more than its tokens, each draft token 2 ms (the shape
-    # measured here: K = 0/1/2/4 at 441/552/574/662 ms). Requests take 0-4 drafts each.
-    rng = random.Random(0)
+def sixteen_requests_fitted(rng: random.Random, noise: float = 0.0) -> StepCostModel:
+    """120 steps of 16 requests taking 0-4 drafts each; a drafting request costs 5 ms more than its
+    tokens, each draft token 2 ms (the shape measured here: K = 0/1/2/4 at 441/552/574/662 ms)."""
     m = StepCostModel()
     for _ in range(120):
         ks = [rng.choice([0, 0, 1, 2, 3, 4]) for _ in range(16)]
         drafting, drafts = sum(1 for k in ks if k), sum(ks)
-        seconds = 0.44 + 0.005 * drafting + 0.002 * drafts + rng.gauss(0, 0.003)
+        seconds = 0.44 + 0.005 * drafting + 0.002 * drafts + rng.gauss(0, noise)
         m.observe(16 + drafts, seconds, num_rows=16, num_drafting=drafting)
+    return m
+
+
+def test_a_requests_first_draft_is_priced_apart_from_the_next_ones() -> None:
+    rng = random.Random(0)
+    m = sixteen_requests_fitted(rng, noise=0.003)
     assert m.draft_marginal(40, num_rows=16, first=True) == pytest.approx(0.007, rel=0.15)
     assert m.draft_marginal(40, num_rows=16) == pytest.approx(0.002, rel=0.25)
     # Every drafting request takes the same K: the two terms cannot be told apart, one price per token
@@ -168,11 +173,7 @@ def test_a_new_load_level_borrows_the_nearest_levels_draft_prices() -> None:
     # whose draft counts have not varied yet: their token curve's slope would price every draft like a
     # first one, so the 16-request prices stand in until the 32-request steps fit their own.
     rng = random.Random(0)
-    m = StepCostModel()
-    for _ in range(120):
-        ks = [rng.choice([0, 0, 1, 2, 3, 4]) for _ in range(16)]
-        drafting, drafts = sum(1 for k in ks if k), sum(ks)
-        m.observe(16 + drafts, 0.44 + 0.005 * drafting + 0.002 * drafts, num_rows=16, num_drafting=drafting)
+    m = sixteen_requests_fitted(rng)
     m.observe(32, 0.40, num_rows=32, num_drafting=0)
     m.observe(62, 0.85, num_rows=32, num_drafting=30)  # one draft each: 15 ms per draft on the curve
     assert m.marginal(40, num_rows=32) == pytest.approx(0.015, rel=0.05)
@@ -427,6 +428,15 @@ def test_auto_metrics_exposed(make_server) -> None:  # noqa: ANN001
     count = next(float(line.split()[-1]) for line in scrape.splitlines()
                  if line.startswith("specserve:spec_decode_chosen_num_speculative_tokens_count"))
     assert count >= 10  # one observation per request-step that could draft
+
+
+def test_benchmark_levels_are_one_wave_unless_slots_refill() -> None:
+    from loadtests.adaptive import config
+    from loadtests.runner import Level
+
+    assert config(False, [8, 32]).num_requests(Level(concurrency=32)) == 32
+    assert config(False, [8, 32]).num_requests(Level(concurrency=1)) == 4  # single stream: 4 requests
+    assert config(False, [8, 32], requests_per_slot=3).num_requests(Level(concurrency=8)) == 24
 
 
 def test_benchmark_summary_ratios() -> None:
