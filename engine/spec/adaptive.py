@@ -159,7 +159,7 @@ class DraftPriceFit:
             if coef is not None and coef[2] >= 0 and coef[3] > 0:
                 self._split = (coef[2] + coef[3], coef[3])
                 return self._split
-            # A first draft cheaper than the next ones is noise: fall back.
+            # A first draft cheaper than the next ones, or a further one that costs nothing, is noise.
         if self._split is not None:
             # Steady load (every step ~the same requests drafting, only the draft count moving) cannot
             # tell the two prices apart: keep the last split rather than one mean price, which prices
