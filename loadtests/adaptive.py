@@ -43,12 +43,13 @@ def method_configs(method: str, model_folder: str, mtp_model: str | None = None)
 
 
 def config(quick: bool, concurrency: list[int] | None = None,
-           workloads: list[str] | None = None, rounds: int = 1, requests_per_slot: int = 1) -> MatrixConfig:
+           workloads: list[str] | None = None, rounds: int = 1, requests_per_slot: int = 1,
+           duration_s: float | None = None) -> MatrixConfig:
     levels = [Level(concurrency=c) for c in (concurrency or ((1, 8) if quick else (1, 8, 16, 32)))]
     return MatrixConfig(workloads=workloads or ["copy", "mixed-temp"], levels=levels,
                         max_tokens=48 if quick else 64,
                         requests_per_slot=requests_per_slot, min_requests=3 if quick else 4,
-                        duration_s=30 if quick else 60, warmup=1, rounds=rounds)
+                        duration_s=duration_s or (30 if quick else 60), warmup=1, rounds=rounds)
 
 
 def summarize(runs: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     specs = [ServerSpec(label=label, command=specserve_command(cfg)) for label, cfg in modes.items()]
     out = Path(args.output_dir or ("results/tmp/adaptive-quick" if args.quick else "results/adaptive"))
     cfg = config(args.quick, [int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
-                 args.workloads.split(",") if args.workloads else None, args.rounds, args.requests_per_slot)
+                 args.workloads.split(",") if args.workloads else None, args.rounds, args.requests_per_slot,
+                 args.duration)
     # `timeout` and kill send SIGTERM: exit through `started`'s cleanup, or the servers outlive us.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with started(specs, out / "logs") as (up, down):
@@ -153,5 +155,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="requests each client sends in turn per level (default 1: one wave, whose wall runs "
                         "to its last completion; more: sustained load, a finished request's slot refilled)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds per level after which no client starts a request (default 60, quick 30). "
+                        "With --requests-per-slot > 1 a long one makes every server do the same requests: at "
+                        "60 s a second wave starts on a server only if its first ends in time, a cliff that "
+                        "moved `off` between 33 and 57 requests at c = 32 from one run to the next")
     p.add_argument("--output-dir", default=None)
     p.set_defaults(func=run)

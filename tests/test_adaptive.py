@@ -191,6 +191,40 @@ def test_a_new_load_level_borrows_the_nearest_levels_draft_prices() -> None:
     assert m.draft_marginal(40, num_rows=32) == pytest.approx(0.004, rel=0.1)
 
 
+def test_a_cold_load_level_explores_until_its_drafts_are_priced() -> None:
+    # A server warmed by one request, then a wave of 32: no draft prices at 32 requests or near it, and
+    # the token curve there has one point, so its slope is the pooled curve's, where tokens grew by
+    # requests (~12 ms a token; a draft costs ~5). Drafts accepted 8 times in 10 would not pay at that
+    # price. Every other step prices verification at nothing; the fit settles on the steps that result,
+    # and the alternation stops.
+    c, many = controller(fixed=0.0, per_token=0.0, accept=0.8, max_k=4, requests=32)
+    c.cost = StepCostModel()
+    for _ in range(5):
+        for tokens, seconds in ((1, 0.055), (2, 0.090), (3, 0.115), (5, 0.165)):
+            c.observe_step(tokens, seconds, num_rows=1)
+    c.observe_step(32, 0.46, num_rows=32, num_drafting=0)
+    assert c.cost.draft_price_unknown(32) and not c.cost.draft_price_unknown(1)
+    assert c.cost.draft_marginal(40, num_rows=32) > 0.01
+    sums = []
+    for _ in range(12):
+        ks = c.choose(many, base_tokens=32, num_rows=32)
+        sums.append(sum(ks))
+        drafting = sum(1 for k in ks if k)
+        c.observe_step(32 + sum(ks), 0.46 + 0.002 * drafting + 0.004 * sum(ks), num_rows=32,
+                       num_drafting=drafting)
+    assert sums[0] == 128  # the first step explores
+    assert not c.cost.draft_price_unknown(32)
+    assert c.cost.draft_marginal(40, num_rows=32, first=True) == pytest.approx(0.006, rel=0.1)
+    assert c.cost.draft_marginal(40, num_rows=32) == pytest.approx(0.004, rel=0.1)
+    # Priced: three drafts each at least (the third, 0.51 tokens for 4 ms, beats the step's rate).
+    assert all(x >= 96 for x in sums[-3:])
+    # Measured prices that make drafting lose: no exploring step drafts at all.
+    c2, many2 = controller(fixed=0.0, per_token=0.0, accept=0.1, max_k=4, requests=32)
+    c2.cost = c.cost
+    assert sum(c2.choose(many2, base_tokens=32, num_rows=32)) == 0
+    assert sum(c2.choose(many2, base_tokens=32, num_rows=32)) == 0
+
+
 def test_acceptance_estimate_is_per_position_and_conditional() -> None:
     est = AcceptanceEstimator(max_k=4, ema=0.5)
     for _ in range(10):
@@ -437,6 +471,8 @@ def test_benchmark_levels_are_one_wave_unless_slots_refill() -> None:
     assert config(False, [8, 32]).num_requests(Level(concurrency=32)) == 32
     assert config(False, [8, 32]).num_requests(Level(concurrency=1)) == 4  # single stream: 4 requests
     assert config(False, [8, 32], requests_per_slot=3).num_requests(Level(concurrency=8)) == 24
+    assert config(False, [8]).duration_s == 60 and config(True, [8]).duration_s == 30
+    assert config(False, [32], requests_per_slot=2, duration_s=900).duration_s == 900  # count-bound
 
 
 def test_benchmark_summary_ratios() -> None:

@@ -239,12 +239,12 @@ def test_emulated_prefill_sliding_window_and_softcap(window: int) -> None:
 @pytest.mark.parametrize("window", [None, 7])
 def test_reference_mixed_step_groups_and_matches_dense(window: int | None) -> None:
     """A step mixing decode rows, verification rows of different lengths and a long prefill chunk:
-    decode rows form their own group (a verifying request must not pad them to its length), short
-    multi-token rows share one, each long chunk is alone; the output is in batch order either way."""
-    lens = [(9, 1), (20, 3), (40, 1), (5, 25), (16, 5), (1, 1)]
+    short rows are grouped by length (nobody is padded to a longer request's length), each long chunk
+    is alone; the output is in batch order either way."""
+    lens = [(9, 1), (20, 3), (40, 1), (5, 25), (16, 5), (1, 1), (30, 3)]
     q, kb, vb, meta, chunks = _scenario(31, 8, 64, lens)
     shapes = [(g.num_rows, g.max_len, g.identity) for g in meta.groups]
-    assert shapes == [(3, 1, False), (2, 5, False), (1, 25, False)]
+    assert shapes == [(3, 1, False), (2, 3, False), (1, 5, False), (1, 25, False)]
     out = np.array(paged_attention_reference(q, kb, vb, meta, 0.125, window))
     np.testing.assert_allclose(out, _dense_reference(q, kb, vb, chunks, 0.125, 0.0, window or 0),
                                rtol=2e-5, atol=2e-5)

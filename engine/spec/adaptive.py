@@ -7,7 +7,7 @@ Inputs, all learned online from the engine's own measurements:
   with that many requests (a pooled curve, then a prior line, while those are unknown); the prices of
   a request's first draft token and of each further one from a least-squares fit of those steps over
   requests, drafting requests and draft tokens together (`DraftPriceFit`), once their draft counts
-  have varied;
+  have varied (until then a nearby request count's prices; where none, every other step explores);
 - draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
   draft_model), an exponential moving average;
 - `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
@@ -269,6 +269,19 @@ class StepCostModel:
             return self.marginal(num_tokens, num_rows)
         return max(p[0] if first else p[1], self.pooled.min_slope)
 
+    def draft_price_unknown(self, num_rows: int | None) -> bool:
+        """True where nothing measured prices a draft at this request count: no settled fit here or within
+        a factor of two, and no token curve that varies drafts alone (a request count of 8 or fewer with
+        two points). There the curve's slope is a guess, and a bad one either way: above 8 requests, or
+        with one point (the pooled curve's shape), the token axis mixes requests with drafts and read
+        20-27 ms per draft at 32 requests where one costs ~5 ms, so auto drafted nothing through a c = 32
+        wave while static K = 4 doubled its tokens per step; after a one-request warm-up it read 0.01 ms
+        as often."""
+        if not num_rows or self._settled_prices(num_rows) is not None:
+            return False
+        curve = self._by_rows.get(_bucket(num_rows))
+        return not (_bucket(num_rows) <= 8 and curve is not None and len(curve.points()) >= 2)
+
     def draft_prices(self, num_rows: int | None) -> tuple[float, float] | None:
         """The fitted (first, further) draft prices at this request count; for its first steps (a new load
         level), those of the nearest bucket within a factor of two that has settled prices. Why borrow: at
@@ -277,6 +290,15 @@ class StepCostModel:
         tokens per request there where static K = 4 drafted four, in a wave of ~60 decode steps."""
         if not num_rows:
             return None
+        settled = self._settled_prices(num_rows)
+        if settled is not None:
+            return settled
+        fit = self._draft_fit.get(_bucket(num_rows))
+        return fit.prices() if fit is not None else None
+
+    def _settled_prices(self, num_rows: int) -> tuple[float, float] | None:
+        """This bucket's prices once fitted on `own_fit_steps` steps, else the nearest settled bucket's
+        within a factor of two, else None."""
         b = _bucket(num_rows)
         fit = self._draft_fit.get(b)
         own = fit.prices() if fit is not None else None
@@ -288,7 +310,7 @@ class StepCostModel:
             p = other.prices()
             if p is not None and other.weight >= self.own_fit_steps:
                 return p
-        return own
+        return None
 
 
 @dataclass(slots=True)
@@ -401,6 +423,7 @@ class AdaptiveController:
         self.draft_cost_per_token = 0.0  # seconds, EMA of the proposer's time per drafted token
         self._draft_seen = False
         self._last_rows: int | None = None  # requests in the last step chosen for: the gauges' draft prices
+        self._explore = False  # flips each step chosen at a request count whose draft price is unknown
 
     # -- observations ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None,
@@ -431,6 +454,12 @@ class AdaptiveController:
         if not candidates:
             return ks
         self._last_rows = num_rows
+        # Where nothing prices a draft at this request count, every other step prices verification at
+        # nothing (the proposer's own time still counts): steps with and without drafts side by side
+        # give the fit its spread within a few steps, and the other steps keep the curve's guess.
+        explore = False
+        if self.cost.draft_price_unknown(num_rows):
+            self._explore = explore = not self._explore
         gain = float(base_yield if base_yield is not None else len(candidates))
         tokens = base_tokens
         cost = self.cost.predict(tokens, num_rows)
@@ -450,7 +479,9 @@ class AdaptiveController:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
             first = taken[j] == 0
-            marginal = self.cost.draft_marginal(tokens, num_rows, first) + self.draft_cost_per_token
+            verify = (self.cost.pooled.min_slope if explore
+                      else self.cost.draft_marginal(tokens, num_rows, first))
+            marginal = verify + self.draft_cost_per_token
             order.append(j)
             tokens += 1
             gain += g
