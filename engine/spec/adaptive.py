@@ -274,9 +274,9 @@ class StepCostModel:
         a factor of two, and no token curve that varies drafts alone (a request count of 8 or fewer with
         two points). There the curve's slope is a guess, and a bad one either way: above 8 requests, or
         with one point (the pooled curve's shape), the token axis mixes requests with drafts and read
-        20-27 ms per draft at 32 requests where one costs ~5 ms, so auto drafted nothing through a c = 32
-        wave while static K = 4 doubled its tokens per step; after a one-request warm-up it read 0.01 ms
-        as often."""
+        12-26 ms per draft at 17-32 requests after a one-request warm-up (0.01 ms in another run) where
+        one costs ~6 ms, and auto drafted almost nothing through a c = 32 wave's ramp while static K = 4
+        more than doubled its tokens per step."""
         if not num_rows or self._settled_prices(num_rows) is not None:
             return False
         curve = self._by_rows.get(_bucket(num_rows))
