@@ -53,15 +53,15 @@ class PagedKVCache:
 
 @dataclass(slots=True)
 class AttentionGroup:
-    """Requests attended in one padded call: queries [R, L], keys gathered from their blocks."""
+    """Requests of one query length attended in one call: queries [R, L], keys gathered from their blocks."""
 
-    q_index: mx.array  # [R, L] int32 rows of the flat token batch (padding repeats a valid row)
-    q_pos: mx.array  # [R, L] int32 absolute positions (padding: 0)
-    block_tables: mx.array  # [R, NB] int32 (padding: block 0, masked out)
+    q_index: mx.array  # [R, L] int32 rows of the flat token batch
+    q_pos: mx.array  # [R, L] int32 absolute positions
+    block_tables: mx.array  # [R, NB] int32 (shorter tables padded with block 0, masked out)
     num_rows: int
     max_len: int
-    # The group is the whole batch in order and needs no padding (pure decode: L == 1, or a single
-    # request: R == 1): queries and outputs are reshapes, not gathers.
+    # The group is the whole batch in order (pure decode: L == 1, or a single request: R == 1):
+    # queries and outputs are reshapes, not gathers.
     identity: bool = False
     _masks: dict[int | None, mx.array] = field(default_factory=dict)
 
@@ -106,35 +106,34 @@ def build_metadata(
             positions.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
 
-    # One group per query length up to _PAD_GROUP_MAX_TOKENS, so no row is padded: decode rows are not
-    # padded to a verifying request's length, nor is a request verifying one draft padded to another's
-    # four (adaptive K mixes lengths every step: at 32 requests, 31 x 2 tokens + 1 x 5 took 889 ms
-    # padded to 5 against 706 ms for 32 x 2, on this CPU; the cost model assumes a step's cost grows
-    # with its tokens). Each long chunk is a group of its own.
+    # One group per query length up to _PAD_GROUP_MAX_TOKENS, so no query row is padded: decode rows are
+    # not padded to a verifying request's length, nor is a request verifying one draft padded to
+    # another's four (adaptive K mixes lengths every step: at 32 requests, 31 x 2 tokens + 1 x 5 took
+    # 889 ms padded to 5 against 706 ms for 32 x 2, on this CPU; the cost model assumes a step's cost
+    # grows with its tokens). Each long chunk is a group of its own.
     short: dict[int, list[int]] = {}
-    for i, (_, n, _) in enumerate(chunks):
-        if 0 < n <= _PAD_GROUP_MAX_TOKENS:
-            short.setdefault(n, []).append(i)
-    large = [i for i, (_, n, _) in enumerate(chunks) if n > _PAD_GROUP_MAX_TOKENS]
+    large: list[list[int]] = []
     offsets = [0]
-    for _, n, _ in chunks:
+    for i, (_, n, _) in enumerate(chunks):
         offsets.append(offsets[-1] + n)
+        if n > _PAD_GROUP_MAX_TOKENS:
+            large.append([i])
+        elif n > 0:
+            short.setdefault(n, []).append(i)
 
     groups: list[AttentionGroup] = []
     out_index = [0] * len(positions)
     base = 0
-    for members in [short[n] for n in sorted(short)] + [[i] for i in large]:
-        L = max(chunks[i][1] for i in members)
-        NB = max(-(-(chunks[i][0] + chunks[i][1]) // block_size) for i in members)
+    for members in [short[n] for n in sorted(short)] + large:
+        L = chunks[members[0]][1]  # every member computes L tokens
+        NB = max(-(-(chunks[i][0] + L) // block_size) for i in members)
         q_index, q_pos, tables = [], [], []
         for r, i in enumerate(members):
-            start, n, table = chunks[i]
-            idx = list(range(offsets[i], offsets[i] + n))
-            pos = list(range(start, start + n))
-            for j in range(n):
+            start, _, table = chunks[i]
+            for j in range(L):
                 out_index[offsets[i] + j] = base + r * L + j
-            q_index.append(idx + [idx[0]] * (L - n))
-            q_pos.append(pos + [0] * (L - n))
+            q_index.append(list(range(offsets[i], offsets[i] + L)))
+            q_pos.append(list(range(start, start + L)))
             tables.append(list(table[:NB]) + [0] * (NB - min(NB, len(table))))
         groups.append(AttentionGroup(
             q_index=mx.array(q_index, dtype=mx.int32), q_pos=mx.array(q_pos, dtype=mx.int32),

@@ -110,7 +110,7 @@ def plan_prefill(num_seqs: int, q_len: int, num_heads: int, head_dim: int, block
 
 
 def group_rows(g: AttentionGroup) -> tuple[mx.array, mx.array]:
-    """Per query row of a padded group ([R, L] -> R * L rows): block-table row and visible keys.
+    """Per query row of a group ([R, L] -> R * L rows): block-table row and visible keys.
     Padding rows repeat a valid query and are dropped by the caller's out_index."""
     seq = mx.repeat(mx.arange(g.num_rows, dtype=mx.int32), g.max_len)
     ctx = g.q_pos.reshape(-1) + 1

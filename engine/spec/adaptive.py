@@ -279,8 +279,9 @@ class StepCostModel:
         more than doubled its tokens per step."""
         if not num_rows or self._settled_prices(num_rows) is not None:
             return False
-        curve = self._by_rows.get(_bucket(num_rows))
-        return not (_bucket(num_rows) <= 8 and curve is not None and len(curve.points()) >= 2)
+        b = _bucket(num_rows)
+        curve = self._by_rows.get(b)
+        return not (b <= 8 and curve is not None and len(curve.points()) >= 2)
 
     def draft_prices(self, num_rows: int | None) -> tuple[float, float] | None:
         """The fitted (first, further) draft prices at this request count; for its first steps (a new load
