@@ -183,6 +183,7 @@ class EngineCore:
             self.adaptive.observe_step(so.num_batched_tokens, now - t0, len(so.scheduled), drafting)
         stats = self._new_stats(now, now - t0, len(so.scheduled))
         stats.num_preempted = len(so.preempted_ids)
+        stats.num_batched_tokens = so.num_batched_tokens
         stats.finished, self._finished_backlog = self._finished_backlog, []
         if self.spec is not None:
             stats.spec = spec_stats
@@ -324,8 +325,9 @@ class EngineCore:
                     drafts.append([])
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
+        stats.spec_propose_seconds = seconds = time.monotonic() - t0
         if self.adaptive is not None:
-            self.adaptive.observe_draft(sum(len(r.spec_token_ids) for r in targets), time.monotonic() - t0)
+            self.adaptive.observe_draft(sum(len(r.spec_token_ids) for r in targets), seconds)
 
     def _decoding_requests(self) -> int:
         """Requests the next step decodes (sampled ones included): the step whose rate drafting must

@@ -58,3 +58,5 @@ class IterationStats:
     # K per candidate request (0 = not drafting), and the adaptive cost model's terms when "auto".
     spec_chosen_k: list[int] = field(default_factory=list)
     spec_cost_estimates: dict[str, float] | None = None
+    num_batched_tokens: int = 0  # tokens the model computed this step: prefill chunks, decode rows, drafts
+    spec_propose_seconds: float = 0.0  # the proposer's time after the step (not in step_seconds)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -106,6 +107,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trace_flag(out: Path, label: str, args: argparse.Namespace) -> list[str]:
+    """`--step-trace` for one server with --step-traces: logs/<label>.steps.jsonl, started afresh."""
+    if not args.step_traces:
+        return []
+    path = out / "logs" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", label) + ".steps.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # the server appends
+    return ["--step-trace", str(path)]
+
+
 def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
@@ -118,8 +129,9 @@ def run(args: argparse.Namespace) -> int:
     modes: dict[str, dict[str, Any] | None] = {"off": None}
     for m in methods:
         modes |= method_configs(m, folder, args.mtp_model)
-    specs = [ServerSpec(label=label, command=specserve_command(cfg)) for label, cfg in modes.items()]
     out = Path(args.output_dir or ("results/tmp/adaptive-quick" if args.quick else "results/adaptive"))
+    specs = [ServerSpec(label=label, command=specserve_command(cfg, extra=_trace_flag(out, label, args)))
+             for label, cfg in modes.items()]
     cfg = config(args.quick, [int(c) for c in args.concurrency.split(",")] if args.concurrency else None,
                  args.workloads.split(",") if args.workloads else None, args.rounds, args.requests_per_slot,
                  args.duration)
@@ -160,5 +172,8 @@ def add_parser(sub: Any) -> None:
                         "With --requests-per-slot > 1 a long one makes every server do the same requests: at "
                         "60 s a second wave starts on a server only if its first ends in time, a cliff that "
                         "moved `off` between 33 and 57 requests at c = 32 from one run to the next")
+    p.add_argument("--step-traces", action="store_true",
+                   help="every server writes a per-step trace to OUTPUT/logs/<label>.steps.jsonl "
+                        "(`python -m tools.step_trace` summarises them)")
     p.add_argument("--output-dir", default=None)
     p.set_defaults(func=run)

@@ -107,10 +107,12 @@ async def _run_matrix(servers: list[ServerProcess], cfg: MatrixConfig,
                 order = servers if flip % 2 == 0 else servers[::-1]
                 flip += 1
                 for srv in order:
-                    t0 = time.monotonic()
+                    t0, f0 = time.monotonic(), srv.minor_faults()
                     # Same offset on every server: each sees the same prompts in the same order.
                     res = await run_level(srv.url, items, opts[srv.spec.label], level, n, cfg.duration_s,
                                           offset=offset + rnd * n, seed=cfg.seed + rnd)
+                    f1 = srv.minor_faults()
+                    res["server_minor_faults"] = f1 - f0 if f0 is not None and f1 is not None else None
                     parts.setdefault((srv.spec.label, wl, level.key), []).append(res)
                     say(_progress(srv.spec.label, wl, level, rnd, res, time.monotonic() - t0))
             offset += n * cfg.rounds
@@ -128,9 +130,12 @@ def _progress(label: str, wl: str, level: Level, rnd: int, res: dict[str, Any], 
     tp = res["output_throughput_tok_s"] or 0.0
     p99 = res["tpot_s"]["p99"]
     acc = (res.get("spec_decode") or {}).get("acceptance_rate")
+    faults = res.get("server_minor_faults")
+    churn = faults is not None and faults > 10_000 * wall  # engine/malloc.py: a sick process, not a result
     return (f"  [{wl} {level.key} r{rnd}] {label:>16}: {res['completed']}/{res['num_requests']} ok, "
             f"{tp:6.1f} tok/s, TPOT p99 {p99 * 1000 if p99 else float('nan'):6.0f} ms"
-            + (f", acceptance {acc:.2f}" if acc is not None else "") + f" ({wall:.0f} s)")
+            + (f", acceptance {acc:.2f}" if acc is not None else "") + f" ({wall:.0f} s)"
+            + (f" [{faults / wall:,.0f} page faults/s: malloc churn]" if churn else ""))
 
 
 def ratios(runs: list[dict[str, Any]], base: str, other: str) -> list[dict[str, Any]]:

@@ -63,6 +63,7 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--disable-log-requests", "disable_log_requests", {"action": "store_true"}),
     ("--log-stats-interval", "log_stats_interval", {"type": float, "metavar": "SECONDS"}),
     ("--disable-log-stats", "disable_log_stats", {"action": "store_true"}),
+    ("--step-trace", "step_trace", {"metavar": "FILE"}),
 ]
 
 
@@ -208,6 +209,7 @@ def serve(settings: ServerSettings) -> int:
     import mlx.core as mx
 
     from engine.blas import blas_info
+    from engine.malloc import tune_malloc
     from server.app import build_app
     from server.engine_client import create_engine_client
 
@@ -231,8 +233,9 @@ def serve(settings: ServerSettings) -> int:
     logger.info("model %s (%s), served as %s, dtype %s, max_model_len %d", loaded.name, loaded.path,
                 ", ".join(client.served_model_names), str(loaded.dtype).removeprefix("mlx.core."),
                 core.max_model_len)
-    logger.info("backend: mlx %s on %s, BLAS %s%s, small-M GEMM %s", mx.__version__, mx.default_device(),
-                blas.name, f" ({blas.path})" if blas.path else f" ({blas.reason})", blas.small_gemm)
+    logger.info("backend: mlx %s on %s, BLAS %s%s, small-M GEMM %s, malloc %s", mx.__version__,
+                mx.default_device(), blas.name, f" ({blas.path})" if blas.path else f" ({blas.reason})",
+                blas.small_gemm, tune_malloc())
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", core.kv.pool.num_blocks, core.kv.block_size,
                 core.kv.pool.num_blocks * core.kv.block_size)
     if settings.speculative_config:

@@ -27,6 +27,7 @@ from engine.stats import IterationStats
 from server.errors import APIError
 from server.metrics import EngineSnapshot, Metrics
 from server.settings import ServerSettings
+from server.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class EngineClient:
     """Owns the engine thread; all methods are called from the event loop's thread."""
 
     def __init__(self, core: EngineCore, served_model_names: list[str] | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, step_trace: str | None = None) -> None:
         self.core = core
         self.request_timeout = request_timeout
         self.served_model_names = served_model_names or [core.loaded.name]
@@ -127,11 +128,14 @@ class EngineClient:
         spec = core.spec
         self.metrics = Metrics(self.model_name, self.snapshot,
                                num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        self.step_trace = StepTrace(step_trace) if step_trace else None
         self._loop = EngineLoop(core, stats_callback=self._on_stats)
         self._unfinished: set[str] = set()  # engine ids submitted and not yet seen finished
 
     def _on_stats(self, stats: IterationStats) -> None:  # engine thread, after every step
         self.metrics.on_iteration(stats)
+        if self.step_trace is not None:
+            self.step_trace.write(stats)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +143,8 @@ class EngineClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._loop.shutdown(timeout)
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     @property
     def alive(self) -> bool:
@@ -195,4 +201,4 @@ def create_engine_client(settings: ServerSettings, loaded: LoadedModel | None = 
     kwargs["speculative_config"] = parse_speculative_config(kwargs["speculative_config"])
     config = EngineConfig(**kwargs, show_progress=show_progress)
     core = EngineCore(config, loaded=loaded)
-    return EngineClient(core, settings.served_model_name, settings.request_timeout)
+    return EngineClient(core, settings.served_model_name, settings.request_timeout, settings.step_trace)

@@ -95,6 +95,10 @@ class ServerSettings(BaseModel):
     disable_log_requests: bool = Field(False, description="do not log each request")
     log_stats_interval: float = Field(10.0, ge=0, description="seconds between stats log lines (0: off)")
     disable_log_stats: bool = Field(False, description="no periodic stats log lines")
+    step_trace: str | None = Field(
+        None, description="append one JSON line per engine step to FILE (step time, requests, tokens, "
+                          "drafts, the K chosen per request, the adaptive cost model): `python -m "
+                          "tools.step_trace FILE` summarises it")
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -139,6 +143,19 @@ class ServerSettings(BaseModel):
         if not path.is_file():
             raise ValueError(f"chat template file {v!r} does not exist")
         return path.read_text()
+
+    @field_validator("step_trace")
+    @classmethod
+    def _trace(cls, v: str | None) -> str | None:
+        """Checked at startup, before the model loads: a trace that cannot be written is a bad flag."""
+        if v is None:
+            return v
+        from pathlib import Path
+
+        path = Path(v).expanduser()
+        if path.is_dir() or not path.parent.is_dir():
+            raise ValueError(f"step trace {v!r}: not a file in an existing directory")
+        return str(path)
 
     def _spec_config(self) -> dict[str, Any] | None:
         spec = self.speculative_config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,22 @@ def test_server_that_cannot_start_is_reported(tmp_path: Path) -> None:
     srv = ServerProcess(ServerSpec("broken", command=cmd, startup_timeout_s=20), tmp_path / "broken.log")
     assert not srv.start()
     assert "status 3" in (srv.error or "") and "boom" in (srv.error or "")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_server_page_faults_are_read_from_proc(tmp_path: Path) -> None:
+    srv = ServerProcess(ServerSpec("faulty", command=None), tmp_path / "x.log")
+    assert srv.minor_faults() is None  # not started by us
+    # 64 MB written: at least 16,000 pages faulted in.
+    code = "import sys, time; b = bytearray(64 << 20); print('up', flush=True); time.sleep(30)"
+    srv.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert srv.proc.stdout is not None and srv.proc.stdout.readline().strip() == b"up"
+        faults = srv.minor_faults()
+        assert faults is not None and faults > 16_000
+    finally:
+        srv.stop()
+    assert srv.minor_faults() is None
 
 
 def test_results_markdown_and_readme_markers(tmp_path: Path) -> None:
