@@ -5,7 +5,7 @@ from engine.malloc import tune_malloc as _tune_malloc
 
 # Must run before the first `import mlx` anywhere in the process (see engine/blas.py).
 _select_blas()
-# Before the first model buffer is allocated: fixed malloc thresholds (see engine/malloc.py).
+# Before MLX starts threads or allocates buffers: one malloc arena, fixed thresholds (engine/malloc.py).
 _tune_malloc()
 
 __version__ = "0.1.0"

@@ -33,7 +33,7 @@ _state: str | None = None
 
 
 def tune_malloc() -> str:
-    """Apply the fixed thresholds once; returns what was done (for the startup log and benchmarks)."""
+    """Apply the single arena and fixed thresholds once; returns what was done (for the start-up log)."""
     global _state
     if _state is not None:
         return _state

@@ -1,19 +1,18 @@
-"""glibc's adaptive malloc thresholds vs the fixed ones of engine/malloc.py, on real servers.
+"""glibc's default malloc vs engine/malloc.py's single arena and fixed thresholds, on real servers.
 
     python -m tools.bench_malloc [--servers-per-mode 2] [--concurrency 8,16,32]
 
 Starts plain `specserve serve` servers (no speculation), half with `SPECSERVE_MALLOC=default` and half
-with the fixed thresholds, drives them interleaved with the load tests' copy and mixed-temperature
-workloads, and reads each server's minor page faults from /proc before and after each of its levels.
-Whether a process with the default thresholds falls into the free-trim-refault cycle depends on its
-allocation history, so several servers per mode are run. Prints a table, writes
+with engine/malloc.py's single arena and fixed thresholds, drives them interleaved with the load tests'
+copy and mixed-temperature workloads (`loadtests.matrix`, which reads each server's minor page faults
+from /proc around each of its levels). Whether a default process falls into arena heap churn, and
+when, is chance, so several servers per mode are run. Prints a table, writes
 results/bench_malloc.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -21,46 +20,28 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import report
-from loadtests.client import RequestOptions
-from loadtests.matrix import MatrixConfig, started
-from loadtests.runner import Level, run_level, warm_up
-from loadtests.servers import ServerProcess, ServerSpec, specserve_command
-from loadtests.workloads import load_workload
+from loadtests.matrix import MatrixConfig, run_matrix, started
+from loadtests.runner import Level
+from loadtests.servers import ServerSpec, specserve_command
 
 
-async def drive(servers: list[ServerProcess], cfg: MatrixConfig) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    flip = 0
-    for wl in cfg.workloads:
-        items = load_workload(wl, seed=cfg.seed)
-        opts = RequestOptions(endpoint=cfg.endpoint, max_tokens=cfg.max_tokens)
-        for srv in servers:
-            await warm_up(srv.url, items, RequestOptions(endpoint=cfg.endpoint, max_tokens=8), cfg.warmup)
-        offset = 0
-        for level in cfg.levels:
-            n = cfg.num_requests(level)
-            order = servers if flip % 2 == 0 else servers[::-1]
-            flip += 1
-            for srv in order:
-                f0 = srv.minor_faults()
-                res = await run_level(srv.url, items, opts, level, n, cfg.duration_s, offset=offset)
-                f1 = srv.minor_faults()
-                assert f0 is not None and f1 is not None, "needs Linux /proc"
-                faults = f1 - f0
-                row = {"server": srv.spec.label, "mode": srv.spec.notes["malloc"], "workload": wl,
-                       "level": level.key, "tok_s": res["output_throughput_tok_s"],
-                       "tpot_p50_s": res["tpot_s"]["p50"], "duration_s": res["duration_s"],
-                       "minor_faults": faults, "faults_per_s": faults / res["duration_s"]}
-                rows.append(row)
-                print(f"  [{wl} {level.key}] {srv.spec.label:>10}: {row['tok_s']:6.1f} tok/s, "
-                      f"{faults:>10,d} minor faults ({row['faults_per_s']:,.0f}/s)", flush=True)
-            offset += n
+def rows_of(runs: list[dict[str, Any]], modes: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per server, workload and level from `run_matrix`'s runs (which read the page faults)."""
+    rows = []
+    for run in runs:
+        for lvl in run["levels"]:
+            faults = lvl["server_minor_faults"]
+            assert faults is not None, "needs Linux /proc"
+            rows.append({"server": run["label"], "mode": modes[run["label"]], "workload": run["workload"],
+                         "level": lvl["level"], "tok_s": lvl["output_throughput_tok_s"],
+                         "tpot_p50_s": lvl["tpot_s"]["p50"], "duration_s": lvl["duration_s"],
+                         "minor_faults": faults, "faults_per_s": faults / lvl["duration_s"]})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| workload | level | " + " | ".join(sorted({r['server'] for r in rows})) + " |"]
     labels = sorted({r["server"] for r in rows})
+    out = ["| workload | level | " + " | ".join(labels) + " |"]
     out.append("|---|---|" + "---:|" * len(labels))
     keys = list(dict.fromkeys((r["workload"], r["level"]) for r in rows))
     by = {(r["workload"], r["level"], r["server"]): r for r in rows}
@@ -92,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if down:
             print(json.dumps(down), file=sys.stderr)
             return 1
-        rows = asyncio.run(drive(up, cfg))
+        rows = rows_of(run_matrix(up, cfg), {spec.label: spec.notes["malloc"] for spec in specs})
     md = table(rows)
     print(md)
     doc = {"kind": "bench_malloc", "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
