@@ -181,6 +181,8 @@ class EngineCore:
             # Decode/verify steps only: a long prefill chunk is far cheaper per token than draft rows.
             drafting = sum(1 for sr in so.scheduled if len(sr.token_ids) > 1)
             self.adaptive.observe_step(so.num_batched_tokens, now - t0, len(so.scheduled), drafting)
+        elif self.adaptive is not None:
+            self.adaptive.skip_step()
         stats = self._new_stats(now, now - t0, len(so.scheduled))
         stats.num_preempted = len(so.preempted_ids)
         stats.num_batched_tokens = so.num_batched_tokens

@@ -168,6 +168,24 @@ def test_a_requests_first_draft_is_priced_apart_from_the_next_ones() -> None:
     assert neg.draft_prices(16) is None
 
 
+def test_draft_price_survives_a_machine_that_drifts_as_drafts_rise() -> None:
+    # Recorded here (mtp, 8 requests): plain steps went 270 -> 220 ms within seconds while the controller,
+    # reading those faster steps as cheap drafts, drafted more. Drafts cost 12 ms each. A fit of step
+    # levels priced them at ~0 and drafting ran on at acceptance 0.2; differences of neighbouring steps
+    # cancel the drift.
+    rng = random.Random(1)
+    m = StepCostModel()
+    drafts = [0, 0, 1, 1, 1, 6, 2, 3, 2, 2, 3, 3, 2, 2, 2, 2, 2, 3, 3, 5, 6, 6, 5, 5, 3, 4, 6, 6, 7, 5]
+    for i, d in enumerate(drafts):
+        level = 0.27 - 0.05 * i / len(drafts)  # the machine speeds up by a fifth over the stretch
+        m.observe(8 + d, level + 0.012 * d + rng.gauss(0, 0.003), num_rows=8, num_drafting=min(d, 8))
+    assert m.draft_marginal(12, num_rows=8) == pytest.approx(0.012, rel=0.25)
+    # A prefill step between two decode steps breaks the pair: its time says nothing about drafts.
+    m.interrupt()
+    m.observe(16, 0.9, num_rows=8, num_drafting=8)
+    assert m.draft_marginal(12, num_rows=8) == pytest.approx(0.012, rel=0.25)
+
+
 def test_a_new_load_level_borrows_the_nearest_levels_draft_prices() -> None:
     # 16 requests fitted (first draft 7 ms, further ones 2 ms); then the first steps at 32 requests,
     # whose draft counts have not varied yet: their token curve's slope would price every draft like a

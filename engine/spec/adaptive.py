@@ -5,9 +5,10 @@ Inputs, all learned online from the engine's own measurements:
 - `StepCostModel`: target step seconds as a function of the step's tokens at its number of requests,
   piecewise linear through a smoothed point per token-count bucket of the engine's decode/verify steps
   with that many requests (a pooled curve, then a prior line, while those are unknown); the prices of
-  a request's first draft token and of each further one from a least-squares fit of those steps over
-  requests, drafting requests and draft tokens together (`DraftPriceFit`), once their draft counts
-  have varied (until then a nearby request count's prices; where none, every other step explores);
+  a request's first draft token and of each further one from a least-squares fit of the changes between
+  consecutive such steps in requests, drafting requests and draft tokens (`DraftPriceFit`: differences
+  cancel the machine's drift), once their draft counts have varied (until then a nearby request
+  count's prices; where none, every other step explores);
 - draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
   draft_model), an exponential moving average;
 - `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
@@ -99,50 +100,79 @@ class TokenCurve:
 
 
 class DraftPriceFit:
-    """Draft prices at one request-count bucket: a recency-weighted least-squares fit of step seconds =
-    a + b * requests + c1 * requests drafting + c2 * draft tokens over that bucket's decode/verify steps.
-    A request's first draft token costs c1 + c2, each further one c2.
+    """Draft prices at one request-count bucket: a recency-weighted least-squares fit of the change in
+    step seconds between consecutive steps = a + b * change in requests + c1 * change in requests
+    drafting + c2 * change in draft tokens. A request's first draft token costs c1 + c2, each further
+    one c2.
+
+    Why changes between neighbouring steps, not the step times themselves: this machine drifts by 20-25%
+    within seconds (8 requests, no drafts: 160 ms, then 270 ms four seconds later), and the controller's
+    own choices follow its prices, so drafts rose while the machine sped up. A fit of levels read that
+    as drafts that cost nothing (11.6 ms to 0.0 within ten steps where a draft costs ~12 ms) and auto
+    drafted 2-3 tokens a step at acceptance 0.2. A difference of two steps a quarter second apart cancels
+    the drift; pairs whose drafts did not change say nothing about them and are left out, so a steady
+    stretch keeps its prices instead of forgetting them.
 
     Why two draft terms: a request that drafts turns its one-token row into a multi-token query, and
     that costs more than the tokens do (16 requests here, static K = 0/1/2/4: 441/552/574/662 ms, so ~7
     ms for a request's first draft token and ~2 ms for each one after); one price per token overprices
     deep drafts and underprices shallow ones. Why requests as a term: a bucket above 8 spans many
-    request counts (17-32), and along its token axis requests leaving and drafts mix; the token curve
-    read 7.9 ms per draft token at 32 requests where drafts cost ~5 ms. While the drafting-request count
-    has not varied apart from the draft count (every drafting request took the same K), the fit keeps
-    one price per token (c1 = 0)."""
+    request counts (17-32), and a request that finishes changes the step by more than its drafts did.
+    While the drafting-request count has not varied apart from the draft count (every drafting request
+    took the same K), the fit keeps one price per token (c1 = 0)."""
 
-    def __init__(self, decay: float = 0.97, min_spread: float = 4.0, min_request_spread: float = 1.0) -> None:
-        self.decay = decay  # per observation: ~33 steps of memory
-        self.min_spread = min_spread  # weighted variance of draft counts needed to trust c2
-        # ... and of drafting-request counts not explained by draft counts, to trust c1.
+    def __init__(self, decay: float = 0.97, min_spread: float = 16.0,
+                 min_request_spread: float = 8.0) -> None:
+        self.decay = decay  # per informative pair: ~33 pairs of memory
+        # Weighted sum of squares of draft-count changes (about their mean) needed to trust c2: the price's
+        # error is the pairs' noise over its square root (~4 ms / 4 at 8 requests here). A sum, not a
+        # variance: drafts move by 1-2 a step at a few requests, and more pairs of those do make a price.
+        self.min_spread = min_spread
+        # ... and of drafting-request changes not explained by draft-count changes, to trust c1.
         self.min_request_spread = min_request_spread
         self._xx = [[0.0] * 4 for _ in range(4)]
         self._xy = [0.0] * 4
+        self._prev: tuple[tuple[float, float, float], float] | None = None
         self._fitted = False  # prices() is asked once per candidate draft token: solve once per step
         self._prices: tuple[float, float] | None = None
         self._split: tuple[float, float] | None = None  # the last fit that told the two prices apart
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float,
-                num_drafting: int | None = None) -> None:
-        self._fitted = False
+                num_drafting: int | None = None, follows: bool = True) -> None:
+        """One decode/verify step; `follows`: the previous observation was the step just before it."""
         drafting = float(num_drafting if num_drafting is not None else min(num_drafts, num_rows))
-        x = (1.0, float(num_rows), drafting, float(num_drafts))
+        cur = (float(num_rows), drafting, float(num_drafts))
+        prev, self._prev = self._prev, (cur, seconds)
+        if prev is None or not follows:
+            return
+        d_rows, d_drafting, d_drafts = (a - b for a, b in zip(cur, prev[0], strict=True))
+        if d_drafting == 0 and d_drafts == 0:
+            return
+        self._fitted = False
+        x = (1.0, d_rows, d_drafting, d_drafts)
+        dy = seconds - prev[1]
         for i in range(4):
-            self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
+            self._xy[i] = self.decay * self._xy[i] + x[i] * dy
             for j in range(4):
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
 
+    def interrupt(self) -> None:
+        """A step this fit does not see came between: the next one pairs with nothing."""
+        self._prev = None
+
     @property
     def weight(self) -> float:
-        """Decayed number of steps the fit rests on."""
+        """Decayed number of step pairs the fit rests on."""
         return self._xx[0][0]
 
-    def prices(self) -> tuple[float, float] | None:
+    def prices(self, split_only: bool = False) -> tuple[float, float] | None:
         """(first draft token of a request, each further one) in seconds; None while draft counts have
-        not varied enough to tell them apart from the rest of the step."""
+        not varied enough to tell them apart from the rest of the step (`split_only`: or while the two
+        prices have never been told apart)."""
         if not self._fitted:
             self._prices, self._fitted = self._fit(), True
+        if split_only and self._prices is not self._split:
+            return None
         return self._prices
 
     def _fit(self) -> tuple[float, float] | None:
@@ -150,11 +180,11 @@ class DraftPriceFit:
         if w <= 0:
             return None
         mr, md = xx[0][2] / w, xx[0][3] / w
-        var_d = xx[3][3] / w - md * md
-        if var_d < self.min_spread:
+        ss_d = xx[3][3] - w * md * md
+        if ss_d < self.min_spread:
             return None
-        var_r, cov = xx[2][2] / w - mr * mr, xx[2][3] / w - mr * md
-        if var_r - cov * cov / var_d >= self.min_request_spread:
+        ss_r, sp = xx[2][2] - w * mr * mr, xx[2][3] - w * mr * md
+        if ss_r - sp * sp / ss_d >= self.min_request_spread:
             coef = self._lsq((0, 1, 2, 3))
             if coef is not None and coef[2] >= 0 and coef[3] > 0:
                 self._split = (coef[2] + coef[3], coef[3])
@@ -171,7 +201,7 @@ class DraftPriceFit:
 
     def _lsq(self, terms: tuple[int, ...]) -> list[float] | None:
         a = [[self._xx[i][j] for j in terms] for i in terms]
-        # Ridge: with one request count the request term is the intercept's twin.
+        # Ridge: where the request count never changed between paired steps its term is all zeros.
         a[1][1] += 1e-6 * (a[1][1] + 1.0)
         for k in range(2, len(terms)):
             a[k][k] += 1e-9 * (a[k][k] + 1.0)
@@ -213,9 +243,10 @@ class StepCostModel:
         self.pooled = TokenCurve(prior, ema)
         self._by_rows: dict[int, TokenCurve] = {}
         self._draft_fit: dict[int, DraftPriceFit] = {}
-        # A bucket's own draft prices count once fitted on this many (decayed) steps; before that a
+        # A bucket's own draft prices count once fitted on this many (decayed) step pairs; before that a
         # fit on two or three steps has seen one K mix and prices every draft like a request's first.
         self.own_fit_steps = 6.0
+        self._last_bucket: int | None = None  # the bucket of the step just observed, for step pairs
 
     def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None,
                 num_drafting: int | None = None) -> None:
@@ -233,7 +264,16 @@ class StepCostModel:
                 fit = self._draft_fit.get(b)
                 if fit is None:
                     fit = self._draft_fit[b] = DraftPriceFit()
-                fit.observe(num_rows, num_tokens - num_rows, seconds, num_drafting)
+                fit.observe(num_rows, num_tokens - num_rows, seconds, num_drafting,
+                            follows=self._last_bucket == b)
+                self._last_bucket = b
+                return
+        self._last_bucket = None
+
+    def interrupt(self) -> None:
+        """A step the draft fits do not see (one with a prefill chunk) came between: the next step pairs
+        with nothing."""
+        self._last_bucket = None
 
     def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
         curve = self._by_rows.get(_bucket(num_rows)) if num_rows else None
@@ -291,6 +331,12 @@ class StepCostModel:
         tokens per request there where static K = 4 drafted four, in a wave of ~60 decode steps."""
         if not num_rows:
             return None
+        if num_rows == 1:
+            # One request: its token curve prices each K exactly (1 + K tokens), the first draft apart
+            # from the next ones (~26 ms, then ~3 ms each here); one price per token from a fit that
+            # cannot tell them apart (drafting moves with the drafts) would stop K at 1.
+            fit = self._draft_fit.get(1)
+            return fit.prices(split_only=True) if fit is not None else None
         settled = self._settled_prices(num_rows)
         if settled is not None:
             return settled
@@ -302,13 +348,13 @@ class StepCostModel:
         within a factor of two, else None."""
         b = _bucket(num_rows)
         fit = self._draft_fit.get(b)
-        own = fit.prices() if fit is not None else None
+        own = fit.prices(split_only=b == 1) if fit is not None else None  # see draft_prices
         if fit is not None and own is not None and fit.weight >= self.own_fit_steps:
             return own
         near = sorted((abs(math.log2(k / b)), -k) for k in self._draft_fit if k != b and k <= 2 * b <= 4 * k)
         for _, neg_k in near:
             other = self._draft_fit[-neg_k]
-            p = other.prices()
+            p = other.prices(split_only=neg_k == -1)
             if p is not None and other.weight >= self.own_fit_steps:
                 return p
         return None
@@ -430,6 +476,11 @@ class AdaptiveController:
     def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None,
                      num_drafting: int | None = None) -> None:
         self.cost.observe(num_tokens, seconds, num_rows, num_drafting)
+
+    def skip_step(self) -> None:
+        """A step that is not decode/verify ran: the cost model does not see it, and the draft prices'
+        step pairs must not span it."""
+        self.cost.interrupt()
 
     def observe_draft(self, num_draft_tokens: int, seconds: float) -> None:
         if num_draft_tokens <= 0:
