@@ -69,6 +69,11 @@ def test_workloads_ship_with_the_repo() -> None:
     temps = [it.temperature for it in mixed]
     assert 0.0 in temps and all(t == 0 or 0.7 <= t <= 1.0 for t in temps)
     assert any(t > 0 for t in temps)
+    # Sampled items carry a seed, the same on every load (servers compared sample the same text).
+    seeds = [it.extra.get("seed") for it in mixed if it.temperature > 0]
+    assert None not in seeds and len(set(seeds)) == len(seeds)
+    assert seeds == [it.extra["seed"] for it in load_workload("mixed-temp") if it.temperature > 0]
+    assert all("seed" not in it.extra for it in mixed if it.temperature == 0)
     assert min(len(it.messages[0]["content"]) for it in load_workload("long")) > 3000
     assert load_workload("copy")[0].id == load_workload("copy")[0].id  # seeded: same order every time
 
