@@ -91,6 +91,35 @@ def summarize(runs: list[dict[str, Any]], methods: list[str]) -> list[dict[str, 
     return rows
 
 
+def merge_replicates(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of several adaptive.json files of one matrix (replicates, e.g. a second run later) as
+    one: per server, workload and level, tokens and seconds add up (throughput = all tokens / all
+    seconds), each replicate's throughput (each of its rounds) stays as a round of its own, and TPOT p99
+    is the worst replicate's."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for doc in docs:
+        for run in doc["runs"]:
+            groups.setdefault((run["label"], run["workload"]), []).append(run)
+    out = []
+    for runs in groups.values():
+        levels = []
+        for lvl in runs[0]["levels"]:
+            same = [x for r in runs for x in r["levels"] if x["level"] == lvl["level"]]
+            tokens, seconds = sum(x["output_tokens"] for x in same), sum(x["duration_s"] for x in same)
+            p99 = [x["tpot_s"]["p99"] for x in same if x["tpot_s"]["p99"] is not None]
+            faults = [x.get("server_minor_faults") for x in same]
+            levels.append({"level": lvl["level"], "concurrency": lvl["concurrency"], "qps": lvl.get("qps"),
+                           "output_tokens": tokens, "duration_s": seconds,
+                           "output_throughput_tok_s": tokens / seconds if seconds else None,
+                           "round_throughput_tok_s": [t for x in same for t in
+                                                      x.get("round_throughput_tok_s")
+                                                      or [x["output_throughput_tok_s"]]],
+                           "tpot_s": {"p99": max(p99) if p99 else None},
+                           "server_minor_faults": None if None in faults else sum(faults)})
+        out.append({**runs[0], "levels": levels})
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Measured {meta['date']} ({meta['wall_s']:.0f} s, load average "
              f"{meta['load_average_start']:.1f} at the start); output tokens/s per level, all servers "
@@ -121,7 +150,30 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def run_merge(args: argparse.Namespace) -> int:
+    docs = [json.loads((Path(d) / "adaptive.json").read_text()) for d in args.merge]
+    runs = merge_replicates(docs)
+    autos = [r["label"] for r in runs if r["label"].endswith(" auto")]
+    methods = list(dict.fromkeys(label.removesuffix(" auto") for label in autos))
+    out = Path(args.output_dir or "results/tmp/adaptive-merged")
+    meta = {"date": " + ".join(d.get("date", "?") for d in docs),
+            "wall_s": sum(d.get("wall_s", 0) for d in docs),
+            "load_average_start": max(d.get("load_average_start", 0) for d in docs),
+            "command": " ".join(["python -m loadtests", *sys.argv[1:]]), "merged": list(args.merge)}
+    rows = summarize(runs, methods)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = report.result_document("adaptive", docs[0].get("config", {}), runs, {**meta, "summary": rows})
+    report.write_json(doc, out / "adaptive.json", keep_requests=False)
+    plots.plot_by_workload(runs, out, title="specserve: adaptive K vs static K (replicates pooled);")
+    md = markdown(rows, meta)
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return run_merge(args)
     t0, load = time.monotonic(), os.getloadavg()[0]
     folder = default_model_folder()
     default = ["ngram"] if args.quick else ["ngram", "draft_model"]
@@ -175,5 +227,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--step-traces", action="store_true",
                    help="every server writes a per-step trace to OUTPUT/logs/<label>.steps.jsonl "
                         "(`python -m tools.step_trace` summarises them)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="run nothing: pool the adaptive.json of these output dirs (replicate runs of one "
+                        "matrix) into one table, each replicate a round, written to --output-dir")
     p.add_argument("--output-dir", default=None)
     p.set_defaults(func=run)

@@ -545,3 +545,30 @@ def test_controller_ab_table() -> None:
     assert header.count("|") == row.count("|")
     # main 10.5 / 11 = 0.95, candidate 9.45 / 11 = 0.86; per round 9 / 12 and 9.9 / 9
     assert row == "| copy | 32 | 9.0 | 11.0 | 10.5 | 9.4 | 0.95 | 0.86 | 0.75 1.10 |"
+
+
+def test_benchmark_replicates_pool_tokens_over_seconds() -> None:
+    # Two runs of the same matrix: the pooled throughput is all tokens over all seconds (not the mean of
+    # the two rates), and each run's rate becomes a round of the per-round ratios.
+    from loadtests.adaptive import merge_replicates, summarize
+
+    def doc(tputs: dict[str, tuple[int, float]]) -> dict:
+        return {"runs": [{"label": label, "workload": "copy", "levels": [
+            {"level": "c8", "concurrency": 8, "output_tokens": n, "duration_s": s,
+             "output_throughput_tok_s": n / s, "tpot_s": {"p99": 0.1 * s}, "server_minor_faults": 5}]}
+            for label, (n, s) in tputs.items()]}
+
+    first = {"off": (100, 10.0), "ngram auto": (120, 10.0), "ngram k=1": (100, 8.0), "ngram k=2": (90, 10.0),
+             "ngram k=4": (80, 10.0)}
+    second = {"off": (100, 20.0), "ngram auto": (120, 15.0), "ngram k=1": (100, 25.0),
+              "ngram k=2": (90, 20.0), "ngram k=4": (80, 20.0)}
+    runs = merge_replicates([doc(first), doc(second)])
+    auto = next(r for r in runs if r["label"] == "ngram auto")["levels"][0]
+    assert auto["output_throughput_tok_s"] == pytest.approx(240 / 25.0)
+    assert auto["round_throughput_tok_s"] == pytest.approx([12.0, 8.0])
+    assert auto["tpot_s"]["p99"] == pytest.approx(1.5) and auto["server_minor_faults"] == 10
+    (row,) = summarize(runs, ["ngram"])
+    assert row["best_static_k"] == 1 and row["off"] == pytest.approx(200 / 30.0)
+    # k=1 is the best static K (200 tokens in 33 s) but off beats it pooled (200 in 30 s).
+    assert row["auto_vs_best"] == pytest.approx((240 / 25.0) / (200 / 30.0))
+    assert row["auto_vs_best_rounds"] == pytest.approx([12.0 / 12.5, 8.0 / 5.0])
