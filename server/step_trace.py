@@ -40,6 +40,7 @@ def step_record(stats: IterationStats) -> dict[str, Any]:
     }
     if spec is not None:
         rec["drafts_verified"] = spec.num_draft_tokens
+        rec["requests_drafting"] = spec.num_drafts
         rec["drafts_accepted"] = spec.num_accepted_tokens
         rec["next_k"] = stats.spec_chosen_k
         rec["propose_s"] = round(stats.spec_propose_seconds, 5)

@@ -38,6 +38,8 @@ def test_trace_matches_what_the_server_did(make_server: Callable, tmp_path: Path
     accepted = value(metrics, "vllm:spec_decode_num_accepted_tokens_total", engine="0")
     assert sum(r["drafts_verified"] for r in recs) == drafted > 0
     assert sum(r["drafts_accepted"] for r in recs) == accepted
+    num_drafts = value(metrics, "vllm:spec_decode_num_drafts_total", engine="0")
+    assert sum(r["requests_drafting"] for r in recs) == num_drafts > 0
     assert max(r["requests"] for r in recs) >= 2  # the three requests shared steps
     for r in recs:
         assert r["step_s"] > 0 and r["requests"] >= 1
@@ -73,6 +75,28 @@ def test_summary_counts_step_shapes_and_skips_torn_lines(tmp_path: Path) -> None
     (row,) = s["by_requests"]
     assert (row["plain_steps"], row["drafting_steps"]) == (1, 1)
     assert s["drafts_verified"] == 1 and s["decode_steps"] == 2
+
+
+def test_replay_prices_recorded_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A trace of 8 requests on a machine that speeds up while drafts rise, at 10 ms per draft, with a
+    # prefill step in the middle: the replayed prices are the drafts' cost, not the drift.
+    from tools import replay_prices
+
+    recs, t = [], 0.0
+    for i, d in enumerate([0, 2, 1, 3, 2, 4, 3, 5, 4, 6, 5, 7, 6, 8] * 3):
+        t += 0.3
+        recs.append({"t": t, "step_s": 0.30 - 0.002 * i + 0.010 * d, "requests": 8, "tokens": 8 + d,
+                     "generated": 8, "drafts_verified": d, "drafts_accepted": 0,
+                     "requests_drafting": min(d, 8)})
+        if i == 20:
+            recs.append({**recs[-1], "t": t + 0.1, "step_s": 1.5, "tokens": 200, "drafts_verified": 0})
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    (prices,) = replay_prices.replay(step_trace.load(str(path)), replay_prices.cost_module(None)).values()
+    assert len(prices) > 20
+    assert all(abs(p[1] - 0.010) < 0.0005 for p in prices[-10:])
+    assert replay_prices.main([str(path), "--rows", "8"]) == 0
+    assert "| 8 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", ["/nonexistent-dir/x.jsonl", "."])
