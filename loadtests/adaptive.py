@@ -109,6 +109,7 @@ def merge_replicates(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p99 = [x["tpot_s"]["p99"] for x in same if x["tpot_s"]["p99"] is not None]
             faults = [x.get("server_minor_faults") for x in same]
             levels.append({"level": lvl["level"], "concurrency": lvl["concurrency"], "qps": lvl.get("qps"),
+                           "completed": sum(x.get("completed", 0) for x in same),
                            "output_tokens": tokens, "duration_s": seconds,
                            "output_throughput_tok_s": tokens / seconds if seconds else None,
                            "round_throughput_tok_s": [t for x in same for t in

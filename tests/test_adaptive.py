@@ -555,7 +555,8 @@ def test_benchmark_replicates_pool_tokens_over_seconds() -> None:
     def doc(tputs: dict[str, tuple[int, float]]) -> dict:
         return {"runs": [{"label": label, "workload": "copy", "levels": [
             {"level": "c8", "concurrency": 8, "output_tokens": n, "duration_s": s,
-             "output_throughput_tok_s": n / s, "tpot_s": {"p99": 0.1 * s}, "server_minor_faults": 5}]}
+             "output_throughput_tok_s": n / s, "tpot_s": {"p99": 0.1 * s}, "server_minor_faults": 5,
+             "completed": 8}]}
             for label, (n, s) in tputs.items()]}
 
     first = {"off": (100, 10.0), "ngram auto": (120, 10.0), "ngram k=1": (100, 8.0), "ngram k=2": (90, 10.0),
@@ -567,6 +568,7 @@ def test_benchmark_replicates_pool_tokens_over_seconds() -> None:
     assert auto["output_throughput_tok_s"] == pytest.approx(240 / 25.0)
     assert auto["round_throughput_tok_s"] == pytest.approx([12.0, 8.0])
     assert auto["tpot_s"]["p99"] == pytest.approx(1.5) and auto["server_minor_faults"] == 10
+    assert auto["completed"] == 16  # the plots read it
     (row,) = summarize(runs, ["ngram"])
     assert row["best_static_k"] == 1 and row["off"] == pytest.approx(200 / 30.0)
     # k=1 is the best static K (200 tokens in 33 s) but off beats it pooled (200 in 30 s).
