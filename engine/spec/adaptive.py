@@ -122,7 +122,10 @@ class DraftPriceFit:
     took the same K), the fit keeps one price per token (c1 = 0)."""
 
     def __init__(self, decay: float = 0.97, min_spread: float = 16.0,
-                 min_request_spread: float = 8.0) -> None:
+                 min_request_spread: float = 8.0, split_only: bool = False) -> None:
+        # `split_only`: prices only once the first and further drafts were told apart (one request: see
+        # StepCostModel.draft_prices).
+        self.split_only = split_only
         self.decay = decay  # per informative pair: ~33 pairs of memory
         # Weighted sum of squares of draft-count changes (about their mean) needed to trust c2: the price's
         # error is the pairs' noise over its square root (~4 ms / 4 at 8 requests here). A sum, not a
@@ -156,22 +159,18 @@ class DraftPriceFit:
             for j in range(4):
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
 
-    def interrupt(self) -> None:
-        """A step this fit does not see came between: the next one pairs with nothing."""
-        self._prev = None
-
     @property
     def weight(self) -> float:
         """Decayed number of step pairs the fit rests on."""
         return self._xx[0][0]
 
-    def prices(self, split_only: bool = False) -> tuple[float, float] | None:
+    def prices(self) -> tuple[float, float] | None:
         """(first draft token of a request, each further one) in seconds; None while draft counts have
-        not varied enough to tell them apart from the rest of the step (`split_only`: or while the two
-        prices have never been told apart)."""
+        not varied enough to tell them apart from the rest of the step (with `split_only`: or while the
+        two prices have never been told apart)."""
         if not self._fitted:
             self._prices, self._fitted = self._fit(), True
-        if split_only and self._prices is not self._split:
+        if self.split_only and self._prices is not self._split:
             return None
         return self._prices
 
@@ -263,7 +262,7 @@ class StepCostModel:
             if num_tokens >= num_rows:  # decode/verify: one token per request plus its drafts
                 fit = self._draft_fit.get(b)
                 if fit is None:
-                    fit = self._draft_fit[b] = DraftPriceFit()
+                    fit = self._draft_fit[b] = DraftPriceFit(split_only=b == 1)
                 fit.observe(num_rows, num_tokens - num_rows, seconds, num_drafting,
                             follows=self._last_bucket == b)
                 self._last_bucket = b
@@ -336,7 +335,7 @@ class StepCostModel:
             # from the next ones (~26 ms, then ~3 ms each here); one price per token from a fit that
             # cannot tell them apart (drafting moves with the drafts) would stop K at 1.
             fit = self._draft_fit.get(1)
-            return fit.prices(split_only=True) if fit is not None else None
+            return fit.prices() if fit is not None else None
         settled = self._settled_prices(num_rows)
         if settled is not None:
             return settled
@@ -348,13 +347,13 @@ class StepCostModel:
         within a factor of two, else None."""
         b = _bucket(num_rows)
         fit = self._draft_fit.get(b)
-        own = fit.prices(split_only=b == 1) if fit is not None else None  # see draft_prices
+        own = fit.prices() if fit is not None else None
         if fit is not None and own is not None and fit.weight >= self.own_fit_steps:
             return own
         near = sorted((abs(math.log2(k / b)), -k) for k in self._draft_fit if k != b and k <= 2 * b <= 4 * k)
         for _, neg_k in near:
             other = self._draft_fit[-neg_k]
-            p = other.prices(split_only=neg_k == -1)
+            p = other.prices()
             if p is not None and other.weight >= self.own_fit_steps:
                 return p
         return None
