@@ -298,38 +298,61 @@ class EngineCore:
             reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
                                      self.kv.block_table(req.request_id)))
             targets.append(req)
-        if self.adaptive is not None and reqs:
-            cands = [Candidate(r.request_id, r.num_drafts, self.proposer.catch_up_tokens(r)) for r in reqs]
-            rows = self._decoding_requests()
-            ks = self.adaptive.choose(cands, rows, rows, num_rows=rows)
-            stats.spec_chosen_k = list(ks)
-            for r, k in zip(reqs, ks, strict=True):
-                r.num_drafts = k
-            keep = [i for i, k in enumerate(ks) if k > 0]
-            reqs, targets = [reqs[i] for i in keep], [targets[i] for i in keep]
-        else:
-            stats.spec_chosen_k = [r.num_drafts for r in reqs]
         if not reqs:
+            stats.spec_chosen_k = []
             return
         t0 = time.monotonic()
-        try:
-            drafts = self._call_proposer(reqs)
-        except Exception:  # noqa: BLE001 - drafting is an optimisation: find who fails, the rest go on
-            logger.warning("proposer failed on a batch of %d; retrying each request alone", len(reqs))
-            drafts = []
-            for req, r in zip(targets, reqs, strict=True):
-                try:
-                    drafts.append(self._call_proposer([r])[0])
-                except Exception:  # noqa: BLE001
-                    logger.exception("proposer failed for %s; speculation disabled for it", req.request_id)
-                    req.spec_disabled = True
-                    self.proposer.release(req.request_id, finished=False)
-                    drafts.append([])
+        drafts: list[list[int]] | None = None
+        if self.adaptive is not None:
+            if self.proposer.drafts_before_choice:
+                # Lookups first: a request without a match is no candidate (it neither drafts nor counts
+                # as backed off), and the step's predicted cost holds only drafts that exist.
+                drafts = self._draft(reqs, targets)
+                for r, d in zip(reqs, drafts, strict=True):
+                    r.num_drafts = len(d)
+            has = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
+            cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts, self.proposer.catch_up_tokens(reqs[i]))
+                     for i in has]
+            rows = self._decoding_requests()
+            ks = [0] * len(reqs)
+            for i, k in zip(has, self.adaptive.choose(cands, rows, rows, num_rows=rows), strict=True):
+                ks[i] = k
+            stats.spec_chosen_k = ks
+            for r, k in zip(reqs, ks, strict=True):
+                r.num_drafts = k
+        else:
+            stats.spec_chosen_k = [r.num_drafts for r in reqs]
+        if drafts is None:
+            keep = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
+            drafts = [[] for _ in reqs]
+            for i, d in zip(keep, self._draft([reqs[i] for i in keep], [targets[i] for i in keep]),
+                            strict=True):
+                drafts[i] = d
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
         stats.spec_propose_seconds = seconds = time.monotonic() - t0
         if self.adaptive is not None:
             self.adaptive.observe_draft(sum(len(r.spec_token_ids) for r in targets), seconds)
+
+    def _draft(self, reqs: list[DraftRequest], targets: list[Request]) -> list[list[int]]:
+        """The proposer's drafts; where a batch fails, each request alone, and one that fails alone
+        stops drafting (drafting is an optimisation: the rest go on)."""
+        if not reqs:
+            return []
+        try:
+            return self._call_proposer(reqs)
+        except Exception:  # noqa: BLE001
+            logger.warning("proposer failed on a batch of %d; retrying each request alone", len(reqs))
+        drafts: list[list[int]] = []
+        for req, r in zip(targets, reqs, strict=True):
+            try:
+                drafts.append(self._call_proposer([r])[0])
+            except Exception:  # noqa: BLE001
+                logger.exception("proposer failed for %s; speculation disabled for it", req.request_id)
+                req.spec_disabled = True
+                self.proposer.release(req.request_id, finished=False)  # type: ignore[union-attr]
+                drafts.append([])
+        return drafts
 
     def _decoding_requests(self) -> int:
         """Requests the next step decodes (sampled ones included): the step whose rate drafting must

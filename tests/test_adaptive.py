@@ -464,6 +464,39 @@ def test_auto_is_exact_at_batch_1_and_4(method: str) -> None:
     assert_pool_full(llm)
 
 
+def test_lookup_drafts_are_made_before_the_choice() -> None:
+    """ngram with auto: the engine looks drafts up first, so the controller chooses among the requests that
+    have a match, never more tokens than the match gives, and a request without one is not counted as
+    backed off (its re-probe clock only runs on steps where it could have drafted)."""
+    import numpy as np
+
+    from engine.spec.ngram import find_ngram_draft
+    from tests.helpers import make_llm
+    from tests.test_spec import GREEDY, prompts
+
+    llm = make_llm(speculative_config=AUTO["ngram"])
+    core, est = llm.core, llm.core.adaptive.acceptance
+    for i, p in enumerate(prompts()[-4:]):  # chat and copy-heavy prompts
+        core.add_request(str(i), llm.encode(p), GREEDY)
+    idle: dict[str, int] = {}
+    no_match = drafted = 0
+    while core.has_unfinished():
+        core.step()
+        for req in core.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue  # prefilling
+            rid = req.request_id
+            lookup = find_ngram_draft(np.asarray(req.all_token_ids), 2, 5, core.spec.num_speculative_tokens)
+            assert req.spec_token_ids == lookup[: len(req.spec_token_ids)]
+            now = est._state(rid).idle_steps
+            if not lookup:
+                no_match += 1
+                assert now == idle.get(rid, now), "a step without a match counted as backing off"
+            drafted += bool(req.spec_token_ids)
+            idle[rid] = now
+    assert no_match > 0 and drafted > 0
+
+
 def test_auto_metrics_exposed(make_server) -> None:  # noqa: ANN001
     import httpx
 

@@ -72,6 +72,8 @@ class DraftModelProposer:
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return len(request.token_ids) - self._num_valid(request.request_id, request.token_ids)
 
+    drafts_before_choice = False  # each draft token costs a forward: K is chosen first
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, DraftRequest, int]] = []  # (index, request, first position to feed)

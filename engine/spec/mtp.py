@@ -28,6 +28,8 @@ class MTPProposer:
         self.embed_tokens = inner.embed_tokens
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
 
+    drafts_before_choice = False  # each draft token costs a forward: K is chosen first
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return self.draft(requests)[0]
 

@@ -29,6 +29,8 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
+    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [find_ngram_draft(np.asarray(r.token_ids, dtype=np.int64), self.min_n, self.max_n,
                                  r.num_drafts) for r in requests]

@@ -22,6 +22,12 @@ class DraftRequest:
 
 
 class Proposer(Protocol):
+    # True where drafting costs next to nothing and the drafts for K are the first K of the drafts for
+    # any larger K (n-gram lookup, suffix tries): with "auto" the engine drafts first, at the most
+    # each request may take, and the controller chooses knowing which requests have drafts and how
+    # many. Drafts that cost a forward (a draft model, an assistant) are chosen before they are made.
+    drafts_before_choice: bool
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """One draft list per request, each at most `num_drafts` long (possibly empty)."""
         ...

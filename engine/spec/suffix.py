@@ -118,6 +118,8 @@ class SuffixProposer:
         limit = min(k, max(1, int(self.spec_factor * length)))
         return _follow(node, limit, self.min_prob)
 
+    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         out = []
         for r in requests:
