@@ -303,16 +303,17 @@ class EngineCore:
             return
         t0 = time.monotonic()
         drafts: list[list[int]] | None = None
+        lookups = self.adaptive is not None and self.proposer.drafts_before_choice
         if self.adaptive is not None:
-            if self.proposer.drafts_before_choice:
+            if lookups:
                 # Lookups first: a request without a match is no candidate (it neither drafts nor counts
                 # as backed off), and the step's predicted cost holds only drafts that exist.
                 drafts = self._draft(reqs, targets)
                 for r, d in zip(reqs, drafts, strict=True):
                     r.num_drafts = len(d)
             has = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
-            cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts, self.proposer.catch_up_tokens(reqs[i]))
-                     for i in has]
+            cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts,
+                               self.proposer.catch_up_tokens(reqs[i])) for i in has]
             rows = self._decoding_requests()
             ks = [0] * len(reqs)
             for i, k in zip(has, self.adaptive.choose(cands, rows, rows, num_rows=rows), strict=True):
@@ -328,11 +329,15 @@ class EngineCore:
             for i, d in zip(keep, self._draft([reqs[i] for i in keep], [targets[i] for i in keep]),
                             strict=True):
                 drafts[i] = d
+        # Per token drafted, or for lookups per token looked up: their time is spent whatever the choice,
+        # and divided by the few tokens chosen under load it would price a free draft like a dear one.
+        made = sum(len(d) if lookups else min(len(d), r.num_drafts)
+                   for r, d in zip(reqs, drafts, strict=True))
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
         stats.spec_propose_seconds = seconds = time.monotonic() - t0
         if self.adaptive is not None:
-            self.adaptive.observe_draft(sum(len(r.spec_token_ids) for r in targets), seconds)
+            self.adaptive.observe_draft(made, seconds)
 
     def _draft(self, reqs: list[DraftRequest], targets: list[Request]) -> list[list[int]]:
         """The proposer's drafts; where a batch fails, each request alone, and one that fails alone

@@ -23,7 +23,7 @@ from typing import Any
 
 from loadtests import plots, report
 from loadtests.matrix import MatrixConfig, run_matrix, started
-from loadtests.runner import Level, _sum_known
+from loadtests.runner import Level, sum_known
 from loadtests.servers import DEFAULT_MTP_ASSISTANT, ServerSpec, default_model_folder, specserve_command
 
 STATIC_KS = (1, 2, 4)
@@ -116,7 +116,7 @@ def merge_replicates(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                                       x.get("round_throughput_tok_s")
                                                       or [x["output_throughput_tok_s"]]],
                            "tpot_s": {"p99": max(p99) if p99 else None},
-                           "server_minor_faults": _sum_known(faults)})
+                           "server_minor_faults": sum_known(faults)})
         out.append({**runs[0], "levels": levels})
     return out
 

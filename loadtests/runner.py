@@ -169,11 +169,12 @@ def merge_levels(parts: list[dict[str, Any]]) -> dict[str, Any]:
             **summarize(records, sum(p["duration_s"] for p in parts)),
             "spec_decode": merge_spec(specs) if specs else None, "rounds": len(parts),
             "round_throughput_tok_s": [p["output_throughput_tok_s"] for p in parts],
-            "server_minor_faults": _sum_known([p.get("server_minor_faults") for p in parts]),
+            "server_minor_faults": sum_known([p.get("server_minor_faults") for p in parts]),
             "requests": records}
 
 
-def _sum_known(values: list[int | None]) -> int | None:
+def sum_known(values: list[int | None]) -> int | None:
+    """The sum, or None where any part is unknown (a remote server's page faults cannot be read)."""
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 

@@ -491,7 +491,8 @@ def test_lookup_drafts_are_made_before_the_choice() -> None:
             now = est._state(rid).idle_steps
             if not lookup:
                 no_match += 1
-                assert now == idle.get(rid, now), "a step without a match counted as backing off"
+                # (it may fall to 0: the step verified a probe chosen the step before)
+                assert now <= idle.get(rid, now), "a step without a match counted as backing off"
             drafted += bool(req.spec_token_ids)
             idle[rid] = now
     assert no_match > 0 and drafted > 0
