@@ -303,9 +303,8 @@ class EngineCore:
             return
         t0 = time.monotonic()
         drafts: list[list[int]] | None = None
-        lookups = self.adaptive is not None and self.proposer.drafts_before_choice
         if self.adaptive is not None:
-            if lookups:
+            if self.proposer.drafts_before_choice:
                 # Lookups first: a request without a match is no candidate (it neither drafts nor counts
                 # as backed off), and the step's predicted cost holds only drafts that exist.
                 drafts = self._draft(reqs, targets)
@@ -329,10 +328,9 @@ class EngineCore:
             for i, d in zip(keep, self._draft([reqs[i] for i in keep], [targets[i] for i in keep]),
                             strict=True):
                 drafts[i] = d
-        # Per token drafted, or for lookups per token looked up: their time is spent whatever the choice,
-        # and divided by the few tokens chosen under load it would price a free draft like a dear one.
-        made = sum(len(d) if lookups else min(len(d), r.num_drafts)
-                   for r, d in zip(reqs, drafts, strict=True))
+        # Per token made: for lookups every token looked up, not only the ones chosen (their time is spent
+        # whatever the choice, and the few chosen under load would price a free draft like a dear one).
+        made = sum(len(d) for d in drafts)
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
         stats.spec_propose_seconds = seconds = time.monotonic() - t0

@@ -472,7 +472,7 @@ def test_lookup_drafts_are_made_before_the_choice() -> None:
 
     from engine.spec.ngram import find_ngram_draft
     from tests.helpers import make_llm
-    from tests.test_spec import GREEDY, prompts
+    from tests.test_spec import GREEDY, assert_pool_full, prompts
 
     llm = make_llm(speculative_config=AUTO["ngram"])
     core, est = llm.core, llm.core.adaptive.acceptance
@@ -496,6 +496,7 @@ def test_lookup_drafts_are_made_before_the_choice() -> None:
             drafted += bool(req.spec_token_ids)
             idle[rid] = now
     assert no_match > 0 and drafted > 0
+    assert_pool_full(llm)
 
 
 def test_auto_metrics_exposed(make_server) -> None:  # noqa: ANN001

@@ -46,6 +46,8 @@ class _State:
 
 
 class DraftModelProposer:
+    drafts_before_choice = False  # each draft token costs a forward: K is chosen first
+
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int) -> None:
         model = draft.model
         n_kv, head_dim = adapter.kv_shape(model)
@@ -71,8 +73,6 @@ class DraftModelProposer:
 
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return len(request.token_ids) - self._num_valid(request.request_id, request.token_ids)
-
-    drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]

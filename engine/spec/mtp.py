@@ -18,6 +18,8 @@ from engine.spec.proposer import DraftRequest
 
 
 class MTPProposer:
+    drafts_before_choice = False  # each draft token costs a forward: K is chosen first
+
     def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner) -> None:
         self.assistant = assistant
         self.runner = runner
@@ -27,8 +29,6 @@ class MTPProposer:
         inner = getattr(target.model, "language_model", target.model).model
         self.embed_tokens = inner.embed_tokens
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
-
-    drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return self.draft(requests)[0]

@@ -25,11 +25,11 @@ def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list
 
 
 class NgramProposer:
+    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-
-    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [find_ngram_draft(np.asarray(r.token_ids, dtype=np.int64), self.min_n, self.max_n,

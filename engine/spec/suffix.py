@@ -88,6 +88,8 @@ def _follow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], f
 
 
 class SuffixProposer:
+    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
                  min_token_prob: float) -> None:
         self.depth = max_tree_depth
@@ -117,8 +119,6 @@ class SuffixProposer:
             return [], 0.0
         limit = min(k, max(1, int(self.spec_factor * length)))
         return _follow(node, limit, self.min_prob)
-
-    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         out = []
