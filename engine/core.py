@@ -45,13 +45,12 @@ class EngineCore:
         per_block = PagedKVCache.bytes_per_block(len(model.layers), bs, n_kv, head_dim, self.loaded.dtype)
         self.spec = config.speculative_config
         draft = load_draft(self.spec, self.loaded, config.dtype, config.show_progress) if self.spec else None
+        self.spec_max_len = self.max_model_len
         if draft is not None:
-            from engine.spec.draft_model import DraftModelProposer
-
-            # The draft's KV is budgeted too: each target block has a draft block beside it.
-            per_block += DraftModelProposer.bytes_per_block(draft, bs)
-        budget = config.kv_cache_bytes()
-        num_blocks = budget // per_block
+            self.spec_max_len = min(self.max_model_len, draft.max_position_embeddings or self.max_model_len)
+        if self.spec is not None and self.spec.max_model_len:
+            self.spec_max_len = min(self.spec_max_len, self.spec.max_model_len)
+        num_blocks, draft_blocks = self._split_kv_budget(per_block, draft)
         need = -(-self.max_model_len // bs)
         if num_blocks < need:
             raise ValueError(
@@ -73,14 +72,8 @@ class EngineCore:
         self.proposer: Proposer | None = None
         self.backoff = DraftBackoff()
         self.adaptive: AdaptiveController | None = None
-        self.spec_max_len = self.max_model_len
         if self.spec is not None:
-            self.proposer = build_proposer(self.spec, draft, num_blocks, bs, self.loaded, self.runner)
-            if draft is not None:
-                draft_max = draft.max_position_embeddings or self.max_model_len
-                self.spec_max_len = min(self.max_model_len, draft_max)
-            if self.spec.max_model_len:
-                self.spec_max_len = min(self.spec_max_len, self.spec.max_model_len)
+            self.proposer = build_proposer(self.spec, draft, draft_blocks, bs, self.loaded, self.runner)
             if self.spec.adaptive is not None:
                 a = self.spec.adaptive
                 self.adaptive = AdaptiveController(self.spec.num_speculative_tokens, ema=a.acceptance_ema,
@@ -88,11 +81,42 @@ class EngineCore:
             logger.info("speculative decoding: %s, num_speculative_tokens=%s%s", self.spec.method,
                         f"auto (up to {self.spec.num_speculative_tokens})" if self.spec.adaptive
                         else self.spec.num_speculative_tokens,
-                        f", draft {draft.name} ({draft.path})" if draft is not None else "")
+                        f", draft {draft.name} ({draft.path}), its KV cache {draft_blocks} blocks"
+                        if draft is not None else "")
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Requests that ended outside a step (aborts): reported with the next stats object.
         self._finished_backlog: list[FinishedRequestStats] = []
         set_global_seed(config.seed)
+
+    def _split_kv_budget(self, per_block: int, draft: LoadedModel | None) -> tuple[int, int]:
+        """(target blocks, draft blocks) out of --kv-cache-memory. A static K drafts for every running
+        request, so a draft block stands beside each target block. With "auto" few requests draft under
+        load and the draft takes blocks back from requests it is not drafting for (they catch up when
+        chosen again, a cost the controller prices), so it gets a quarter of that share: a self-draft
+        otherwise halves the target's pool, and with it the prefix cache, for drafts auto rarely makes."""
+        budget = self.config.kv_cache_bytes()
+        if draft is None:
+            return budget // per_block, 0
+        from engine.spec.draft_model import DraftModelProposer
+
+        bs = self.config.block_size
+        draft_per_block = DraftModelProposer.bytes_per_block(draft, bs)
+        fraction = getattr(self.spec, "draft_kv_cache_fraction", None)
+        share = fraction
+        if share is None:
+            share = draft_per_block / (per_block + draft_per_block)
+            if self.spec.adaptive is not None:
+                share /= 4
+        draft_blocks = int(budget * share) // draft_per_block
+        draft_need = -(-self.spec_max_len // bs)  # one request drafting up to its last position
+        if draft_blocks < draft_need:
+            if fraction is not None:
+                raise ValueError(
+                    f"invalid --speculative-config: draft_kv_cache_fraction={fraction} gives the draft "
+                    f"{draft_blocks} KV blocks but one request of {self.spec_max_len} tokens needs "
+                    f"{draft_need}: raise it or --kv-cache-memory")
+            draft_blocks = draft_need
+        return (budget - draft_blocks * draft_per_block) // per_block, draft_blocks
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.loaded.max_position_embeddings

@@ -52,8 +52,8 @@ METHODS = {
 }
 
 
-def spec_llm(method: str, **kwargs):
-    cfg = dict(METHODS[method])
+def spec_llm(method: str, speculative_config: dict | None = None, **kwargs):
+    cfg = dict(METHODS[method]) | (speculative_config or {})
     if cfg.get("model") == "<target>":
         cfg["model"] = default_model().path  # the target as its own draft
     return make_llm(speculative_config=cfg, **kwargs)
@@ -113,6 +113,10 @@ BAD_CONFIGS = [
     ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
      "draft_tensor_parallel_size"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
+    ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "draft_kv_cache_fraction": 1}',
+     "draft_kv_cache_fraction"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "draft_kv_cache_fraction": 0.2}',
+     "draft_kv_cache_fraction: unknown key"),
     ('not json', "JSON"),
 ]
 
@@ -234,4 +238,46 @@ def test_acceptance_counters_are_consistent() -> None:
                 total.num_accepted_tokens += s.num_accepted_tokens
     assert total is not None and total.num_drafts == steps_with_drafts > 0
     assert 0 < total.num_accepted_tokens <= total.num_draft_tokens
+    assert_pool_full(llm)
+
+
+# -- the draft model's share of the KV memory --------------------------------------------------------
+def _target_block_bytes() -> int:
+    loaded = default_model()
+    n_kv, head_dim = adapter.kv_shape(loaded.model)
+    return PagedKVCache.bytes_per_block(len(loaded.model.layers), 16, n_kv, head_dim, loaded.dtype)
+
+
+def test_draft_kv_split_static_auto_and_explicit() -> None:
+    per_block = _target_block_bytes()  # the self-draft's blocks cost the same
+    mem = str(400 * per_block)
+    static = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem).core
+    assert static.kv.pool.num_blocks == static.proposer.kv.pool.num_blocks == 200  # a draft block beside each
+    auto = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
+                    speculative_config={"num_speculative_tokens": "auto"}).core
+    # A quarter of the self-draft's half share: 50 draft blocks, the rest the target's.
+    assert (auto.kv.pool.num_blocks, auto.proposer.kv.pool.num_blocks) == (350, 50)
+    tiny = spec_llm("draft_model", max_model_len=1024, kv_cache_memory=mem,
+                    speculative_config={"num_speculative_tokens": "auto"}).core
+    assert tiny.proposer.kv.pool.num_blocks == 64  # raised to one request of max_model_len
+    explicit = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
+                        speculative_config={"draft_kv_cache_fraction": 0.1}).core
+    assert (explicit.kv.pool.num_blocks, explicit.proposer.kv.pool.num_blocks) == (360, 40)
+    with pytest.raises(ValueError, match="draft_kv_cache_fraction=0.01 gives the draft 4 KV blocks"):
+        spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
+                 speculative_config={"draft_kv_cache_fraction": 0.01})
+
+
+def test_small_draft_pool_takes_blocks_back_and_stays_exact() -> None:
+    # 20 draft blocks (320 tokens) for 8 requests of ~100 tokens each: drafting for some takes the
+    # blocks of others, which catch up later; output stays exactly the plain greedy output.
+    llm = spec_llm("draft_model", max_model_len=256, kv_cache_memory=str(200 * _target_block_bytes()),
+                   speculative_config={"draft_kv_cache_fraction": 0.1})
+    proposer = llm.core.proposer
+    assert proposer.kv.pool.num_blocks == 20
+    outs = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == plain()
+    assert proposer.num_evictions > 0
+    # Every request that ran long enough got drafts (none starved while others held the pool).
+    assert all(o.spec_num_accepted_tokens > 0 for o in outs if len(o.token_ids) == MAX_TOKENS)
     assert_pool_full(llm)

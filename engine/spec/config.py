@@ -139,6 +139,9 @@ class SuffixConfig(_Base):
 class DraftModelConfig(_Base):
     method: Literal["draft_model"] = "draft_model"
     model: str = Field(min_length=1)
+    # Share of --kv-cache-memory for the draft's own KV cache (ours, not vLLM's). Unset: a draft block beside
+    # each target block with a static K; a quarter of that with "auto" (engine/core.py, _split_kv_budget).
+    draft_kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
 
     @property
     def needs_model(self) -> bool:

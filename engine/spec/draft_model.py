@@ -1,14 +1,16 @@
 """A second (small) model drafts K tokens autoregressively over its own paged KV cache.
 
-The draft's KV blocks come out of the same memory budget as the target's (the engine splits it by
-bytes per token). Per request we remember where the last proposal started and what was fed, so the
-next call keeps exactly the draft KV whose tokens were accepted and recomputes the rest: rollback
-by position, nothing copied.
+The draft's KV blocks come out of the same memory budget as the target's (engine/core.py splits it).
+Per request we remember where the last proposal started and what was fed, so the next call keeps
+exactly the draft KV whose tokens were accepted and recomputes the rest: rollback by position,
+nothing copied. When the pool is short, the requests drafted for longest ago give their blocks back
+and catch up (prefill their context again) if they draft later.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.attention import PagedKVCache
@@ -55,6 +57,8 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.kv_cache)
         self._state: dict[str, _State] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first
+        self.num_evictions = 0
 
     @staticmethod
     def bytes_per_block(draft: LoadedModel, block_size: int) -> int:
@@ -77,12 +81,13 @@ class DraftModelProposer:
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, DraftRequest, int]] = []  # (index, request, first position to feed)
+        keep = {r.request_id for r in requests}
         for i, r in enumerate(requests):
             c = self._num_valid(r.request_id, r.token_ids)
-            n = len(r.token_ids)
-            # Slots for the unfed confirmed tokens and the K-1 drafts fed back.
-            if self.kv.allocate_slots(r.request_id, c, n - c + r.num_drafts - 1):
+            if self._allocate(r, c, keep):
                 active.append((i, r, c))
+                self._recent[r.request_id] = None
+                self._recent.move_to_end(r.request_id)
             else:
                 self._state.pop(r.request_id, None)
         if not active:
@@ -106,6 +111,19 @@ class DraftModelProposer:
             self._state[r.request_id] = _State(start=len(r.token_ids), fed=drafts[i][:-1])
         return drafts
 
+    def _allocate(self, r: DraftRequest, c: int, keep: set[str]) -> bool:
+        """Slots for the unfed confirmed tokens and the K-1 drafts fed back; when the pool is short, the
+        least recently drafted request outside this call gives its blocks back, until it fits."""
+        n = len(r.token_ids)
+        while not self.kv.allocate_slots(r.request_id, c, n - c + r.num_drafts - 1):
+            victim = next((rid for rid in self._recent if rid not in keep), None)
+            if victim is None:
+                return False
+            self.release(victim, finished=False)
+            self.num_evictions += 1
+        return True
+
     def release(self, request_id: str, finished: bool) -> None:
         self._state.pop(request_id, None)
+        self._recent.pop(request_id, None)
         self.kv.free(request_id)
