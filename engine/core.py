@@ -91,8 +91,8 @@ class EngineCore:
     def _split_kv_budget(self, per_block: int, draft: LoadedModel | None) -> tuple[int, int]:
         """(target blocks, draft blocks) out of --kv-cache-memory. A static K drafts for every running
         request, so a draft block stands beside each target block. With "auto" few requests draft under
-        load and the draft takes blocks back from requests it is not drafting for (they catch up when
-        chosen again, a cost the controller prices), so it gets a quarter of that share: a self-draft
+        load and the draft takes blocks back from requests it is not drafting for (they prefill their
+        context into the draft again if chosen later), so it gets a quarter of that share: a self-draft
         otherwise halves the target's pool, and with it the prefix cache, for drafts auto rarely makes."""
         budget = self.config.kv_cache_bytes()
         if draft is None:
