@@ -257,9 +257,9 @@ def test_draft_kv_split_static_auto_and_explicit() -> None:
                     speculative_config={"num_speculative_tokens": "auto"}).core
     # A quarter of the self-draft's half share: 50 draft blocks, the rest the target's.
     assert (auto.kv.pool.num_blocks, auto.proposer.kv.pool.num_blocks) == (350, 50)
-    tiny = spec_llm("draft_model", max_model_len=1024, kv_cache_memory=mem,
+    long_ctx = spec_llm("draft_model", max_model_len=1024, kv_cache_memory=mem,
                     speculative_config={"num_speculative_tokens": "auto"}).core
-    assert tiny.proposer.kv.pool.num_blocks == 64  # raised to one request of max_model_len
+    assert long_ctx.proposer.kv.pool.num_blocks == 64  # raised to one request of max_model_len
     explicit = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
                         speculative_config={"draft_kv_cache_fraction": 0.1}).core
     assert (explicit.kv.pool.num_blocks, explicit.proposer.kv.pool.num_blocks) == (360, 40)
