@@ -27,6 +27,9 @@ def mixes(c: int) -> dict[str, list[int]]:
     half = c // 2
     return {
         f"{c} x 1": [1] * c,
+        # Probes: one request (or a few) verifying one draft among decode rows.
+        f"1 x 2 + {c - 1} x 1": [2] + [1] * (c - 1),
+        f"{c // 8} x 2 + {c - c // 8} x 1": [2] * (c // 8) + [1] * (c - c // 8),
         f"{half} x 2 + {c - half} x 1": [2] * half + [1] * (c - half),
         f"{half - 1} x 2 + 1 x 5 + {c - half} x 1": [2] * (half - 1) + [5] + [1] * (c - half),
         f"{c} x 2": [2] * c,
