@@ -385,6 +385,30 @@ def test_no_probes_when_even_sure_drafts_cannot_pay() -> None:
     assert c.choose(cands, base_tokens=1) == [4]
 
 
+def test_probes_stop_where_their_yield_cannot_pay() -> None:
+    # 32 requests whose drafts are accepted 1 time in 5; at 32 rows a token is worth 8.1 ms and a draft
+    # costs 7 ms to verify, so only a request accepted ~9 times in 10 would pay. The first wave of probes
+    # is sent (a sure draft could pay); once their yield is known, requests already verified are not
+    # probed again at this load, a new request still gets its first probe, and at one request (a token
+    # worth 42 ms) the yield pays and probing resumes.
+    c, cands = controller(fixed=0.035, per_token=0.007, accept=0.2, max_k=4, requests=32)
+    rng = random.Random(3)
+    probed: list[int] = []
+    for _ in range(120):
+        ks = c.choose(cands, base_tokens=32)
+        probed.append(sum(1 for k in ks if k))
+        for cand, k in zip(cands, ks, strict=True):
+            if k:
+                c.observe_verification(cand.request_id, k, int(rng.random() < 0.2))
+    assert sum(probed) >= 16 and c.acceptance.probes_seen >= 16
+    assert c.acceptance.probe_yield < 0.5
+    assert probed[3] == 32 and sum(probed[4:]) == 0  # the doubling alone sends waves at 11, 27 and 59
+    new = [*cands, Candidate("new", 4)]
+    assert any(c.choose(new, base_tokens=33)[-1] for _ in range(8))
+    alone = [cands[0]]
+    assert any(c.choose(alone, base_tokens=1)[0] for _ in range(200))
+
+
 def test_probes_that_need_a_catch_up_go_one_per_step() -> None:
     # 8 idle requests come due together. Free probes (ngram, MTP) all go at once; probes that make a
     # draft model prefill everything since the request last drafted go one per step, the rest stay due.

@@ -365,6 +365,7 @@ class _RequestAcceptance:
     seen: list[int] = field(default_factory=list)  # times position i was verified for this request
     idle_steps: int = 0  # consecutive steps with K = 0
     probe_after: int = 0  # re-probe once idle for this many steps (doubles per probe until drafting resumes)
+    probing: bool = False  # a probe was chosen and its verification has not come back yet
 
 
 class AcceptanceEstimator:
@@ -379,6 +380,9 @@ class AcceptanceEstimator:
         self.global_hits = [0] * max_k
         self.global_tries = [0] * max_k
         self._req: dict[str, _RequestAcceptance] = {}
+        # Share of probes accepted, over all requests (moving average once PROBE_MIN_SEEN have come back).
+        self.probe_yield = 0.0
+        self.probes_seen = 0
 
     def method_average(self, i: int) -> float:
         tries = self.global_tries[i]
@@ -418,6 +422,11 @@ class AcceptanceEstimator:
         repetitive one after a run of free-form ones) needs ~10 accepted probes to draft again, and
         probes come at doubling intervals: it would not draft at all within 64 tokens."""
         st = self._state(request_id)
+        if st.probing and num_drafts > 0:
+            st.probing = False
+            self.probes_seen += 1
+            a = max(0.05, 1.0 / self.probes_seen)
+            self.probe_yield = (1 - a) * self.probe_yield + a * float(num_accepted > 0)
         prior = self.probabilities(request_id)
         for i in range(min(num_drafts, self.max_k)):
             if i > num_accepted:
@@ -442,7 +451,11 @@ class AcceptanceEstimator:
         if st.idle_steps < st.probe_after or not can_probe:
             return False
         st.probe_after = min(st.probe_after * 2, self.max_probe)
+        st.probing = True
         return True
+
+    def has_evidence(self, request_id: str) -> bool:
+        return self._state(request_id).seen[0] > 0
 
     def note_drafting(self, request_id: str) -> None:
         """The controller chose drafts on the estimate alone: probing starts over from the base wait."""
@@ -462,6 +475,8 @@ class Candidate:
 
 
 class AdaptiveController:
+    PROBE_MIN_SEEN = 16  # probes back before their yield may stop re-probing
+
     def __init__(self, max_k: int, ema: float = 0.1, base_probe: int = 4) -> None:
         self.max_k = max_k
         self.cost = StepCostModel()
@@ -557,6 +572,14 @@ class AdaptiveController:
         # prefills its whole context). The catch-up is not priced per token: a batched prefill costs
         # far less per token than drafting does.
         hopeless = self._hopeless(gain, cost, base_tokens, num_rows)
+        # A request that has been verified before is re-probed only while the method's probes are accepted
+        # often enough to pay for one at this load (under load an assistant's probes were accepted 1 time
+        # in 5 where 1 in 2 pays); a request never verified is probed whenever a sure draft could pay.
+        vain = False
+        acc = self.acceptance
+        if acc.probes_seen >= self.PROBE_MIN_SEEN and self.cost.measured(num_rows):
+            price = self.cost.draft_marginal(base_tokens, num_rows, first=True) + self.draft_cost_per_token
+            vain = acc.probe_yield * cost <= gain * price
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
             c = candidates[j]
@@ -567,6 +590,8 @@ class AdaptiveController:
                 continue
             heavy = c.catch_up > self.max_k + 1  # more than a verification's worth of tokens
             can_probe = not hopeless and not (heavy and catch_up_probe)
+            if vain and acc.has_evidence(c.request_id):
+                can_probe = False
             if self.acceptance.note_idle(c.request_id, can_probe=can_probe):
                 ks[j] = 1
                 catch_up_probe |= heavy
