@@ -76,8 +76,9 @@ class EngineCore:
             self.proposer = build_proposer(self.spec, draft, draft_blocks, bs, self.loaded, self.runner)
             if self.spec.adaptive is not None:
                 a = self.spec.adaptive
-                self.adaptive = AdaptiveController(self.spec.num_speculative_tokens, ema=a.acceptance_ema,
-                                                   base_probe=a.probe_interval)
+                self.adaptive = AdaptiveController(
+                    self.spec.num_speculative_tokens, ema=a.acceptance_ema, base_probe=a.probe_interval,
+                    gate_probes=not self.proposer.drafts_before_choice)
             logger.info("speculative decoding: %s, num_speculative_tokens=%s%s", self.spec.method,
                         f"auto (up to {self.spec.num_speculative_tokens})" if self.spec.adaptive
                         else self.spec.num_speculative_tokens,

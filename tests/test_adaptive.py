@@ -391,18 +391,24 @@ def test_probes_stop_where_their_yield_cannot_pay() -> None:
     # is sent (a sure draft could pay); once their yield is known, requests already verified are not
     # probed again at this load, a new request still gets its first probe, and at one request (a token
     # worth 42 ms) the yield pays and probing resumes.
-    c, cands = controller(fixed=0.035, per_token=0.007, accept=0.2, max_k=4, requests=32)
-    rng = random.Random(3)
-    probed: list[int] = []
-    for _ in range(120):
-        ks = c.choose(cands, base_tokens=32)
-        probed.append(sum(1 for k in ks if k))
-        for cand, k in zip(cands, ks, strict=True):
-            if k:
-                c.observe_verification(cand.request_id, k, int(rng.random() < 0.2))
-    assert sum(probed) >= 16 and c.acceptance.probes_seen >= 16
-    assert c.acceptance.probe_yield < 0.5
-    assert probed[3] == 32 and sum(probed[4:]) == 0  # the doubling alone sends waves at 11, 27 and 59
+    def waves(gate: bool) -> tuple[AdaptiveController, list[Candidate], list[int]]:
+        c, cands = controller(fixed=0.035, per_token=0.007, accept=0.2, max_k=4, requests=32)
+        c.gate_probes = gate
+        rng = random.Random(3)
+        probed: list[int] = []
+        for _ in range(120):
+            ks = c.choose(cands, base_tokens=32)
+            probed.append(sum(1 for k in ks if k))
+            for cand, k in zip(cands, ks, strict=True):
+                if k:
+                    c.observe_verification(cand.request_id, k, int(rng.random() < 0.2))
+        return c, cands, probed
+
+    # Lookups (no gate): the doubling alone sends waves at steps 3, 11, 27 and 59.
+    assert [i for i, n in enumerate(waves(False)[2]) if n == 32] == [3, 11, 27, 59]
+    c, cands, probed = waves(True)
+    assert c.acceptance.probes_seen >= 16 and c.acceptance.probe_yield < 0.5
+    assert probed[3] == 32 and sum(probed[4:]) == 0
     new = [*cands, Candidate("new", 4)]
     assert any(c.choose(new, base_tokens=33)[-1] for _ in range(8))
     alone = [cands[0]]
