@@ -380,7 +380,7 @@ class AcceptanceEstimator:
         self.global_hits = [0] * max_k
         self.global_tries = [0] * max_k
         self._req: dict[str, _RequestAcceptance] = {}
-        # Share of probes accepted, over all requests (moving average once PROBE_MIN_SEEN have come back).
+        # Share of probes accepted, over all requests: a running mean, then a moving average (weight 0.05).
         self.probe_yield = 0.0
         self.probes_seen = 0
 
