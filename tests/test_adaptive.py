@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from engine.spec.adaptive import AcceptanceEstimator, AdaptiveController, Candidate, StepCostModel
+from engine.spec.adaptive import AcceptanceEstimator, AdaptiveController, Candidate
+from engine.spec.cost_model import StepCostModel
 
 
 def controller(fixed: float, per_token: float, accept: float, max_k: int = 8, draft: float = 0.0,

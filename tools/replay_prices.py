@@ -6,7 +6,7 @@ at, step by step, on exactly the steps a server ran.
 Input: `specserve serve --step-trace FILE` traces. Every decode/verify step is fed to `StepCostModel`
 (prefill-carrying steps interrupt the step pairs, as in the engine) and, after each step of the request
 count asked for, the fitted (first, further) draft prices are read. Prints their 10th/50th/90th
-percentiles per request count. `--tree DIR` imports `engine.spec.adaptive` from another source tree (a git
+percentiles per request count. `--tree DIR` imports the cost model from another source tree (a git
 worktree of an older commit), so two cost models can be compared on the same steps. A replay does not
 re-decide K: the drafts are those the server chose.
 """
@@ -25,10 +25,13 @@ from tools.step_trace import is_decode, load
 
 def cost_module(tree: str | None) -> ModuleType:
     if tree is None:
-        from engine.spec import adaptive
-        return adaptive
-    path = Path(tree) / "engine" / "spec" / "adaptive.py"
-    spec = importlib.util.spec_from_file_location("replayed_adaptive", path)
+        from engine.spec import cost_model
+        return cost_model
+    # The cost model has its own module since 2026-11-25; older trees kept it in adaptive.py.
+    path = Path(tree) / "engine" / "spec" / "cost_model.py"
+    if not path.exists():
+        path = path.with_name("adaptive.py")
+    spec = importlib.util.spec_from_file_location("replayed_cost_model", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--rows", type=int, action="append", help="request counts to show (default: all)")
-    ap.add_argument("--tree", default=None, help="source tree whose engine/spec/adaptive.py to replay")
+    ap.add_argument("--tree", default=None, help="source tree whose cost model (engine/spec/cost_model.py, "
+                    "or adaptive.py before it) to replay")
     args = ap.parse_args(argv)
     mod = cost_module(args.tree)
     print("trace | requests | steps priced | first draft ms p10/p50/p90 | further draft ms p10/p50/p90")

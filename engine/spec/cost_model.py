@@ -1,0 +1,342 @@
+"""The adaptive controller's step cost model, learned online from the engine's own decode/verify steps.
+
+`StepCostModel`: target step seconds as a function of the step's tokens at its number of requests,
+piecewise linear through a smoothed point per token-count bucket (`TokenCurve`) of the steps with that
+many requests (a pooled curve, then a prior line, while those are unknown); the prices of a request's
+first draft token and of each further one from a least-squares fit of the changes between consecutive
+such steps in requests, drafting requests and draft tokens (`DraftPriceFit`: differences cancel the
+machine's drift), once their draft counts have varied (until then a nearby request count's prices).
+Pure Python; engine/spec/adaptive.py decides with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _bucket(n: int) -> int:
+    """Token and request counts are bucketed alike: exact up to 8, then powers of two."""
+    return n if n <= 8 else 1 << (n - 1).bit_length()
+
+
+class TokenCurve:
+    """Step seconds as a function of the step's tokens.
+
+    The curve is not a line on a CPU: a few rows cost almost one row's weight streaming, more rows move
+    the matmuls into an efficient GEMM regime, and long prefill chunks are compute-bound. So the model
+    keeps a smoothed (tokens, seconds) point per token-count bucket (exact up to 8 tokens, then powers of
+    two) and interpolates between them, monotone, extrapolating with the outer segments' slopes; a prior
+    line stands in until two buckets are known."""
+
+    def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2,
+                 min_slope: float = 1e-5) -> None:
+        self.prior_fixed, self.prior_per_token = prior
+        self.ema = ema
+        self.min_slope = min_slope
+        self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, count]
+        self._points: list[tuple[float, float]] | None = None
+
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        b = self._buckets.get(_bucket(num_tokens))
+        if b is None:
+            self._buckets[_bucket(num_tokens)] = [float(num_tokens), seconds, 1.0]
+        else:
+            a = max(self.ema, 1.0 / (b[2] + 1))  # plain mean for the first few, then an EMA
+            b[0] += a * (num_tokens - b[0])
+            b[1] += a * (seconds - b[1])
+            b[2] += 1
+        self._points = None
+
+    def points(self) -> list[tuple[float, float]]:
+        if self._points is None:
+            pts = sorted((x, y) for x, y, _ in self._buckets.values())
+            mono, top = [], 0.0
+            for x, y in pts:  # more tokens never cost less
+                top = max(top, y)
+                mono.append((x, top))
+            self._points = mono
+        return self._points
+
+    def predict(self, num_tokens: float) -> float:
+        pts = self.points()
+        if not pts:
+            return self.prior_fixed + self.prior_per_token * num_tokens
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return max(0.0, y0 + self.prior_per_token * (num_tokens - x0))
+        if num_tokens <= pts[0][0]:
+            (x0, y0), (x1, y1) = pts[0], pts[1]
+        elif num_tokens >= pts[-1][0]:
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        else:
+            i = next(i for i in range(1, len(pts)) if pts[i][0] >= num_tokens)
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        slope = max((y1 - y0) / (x1 - x0), self.min_slope) if x1 > x0 else self.prior_per_token
+        return max(0.0, y0 + slope * (num_tokens - x0))
+
+    def marginal(self, num_tokens: float) -> float:
+        """Seconds one more token adds to a step of `num_tokens`."""
+        return max(self.predict(num_tokens + 1) - self.predict(num_tokens), self.min_slope)
+
+
+class DraftPriceFit:
+    """Draft prices at one request-count bucket: a recency-weighted least-squares fit of the change in
+    step seconds between consecutive steps = a + b * change in requests + c1 * change in requests
+    drafting + c2 * change in draft tokens. A request's first draft token costs c1 + c2, each further
+    one c2.
+
+    Why changes between neighbouring steps, not the step times themselves: this machine drifts by 20-25%
+    within seconds (8 requests, no drafts: 160 ms, then 270 ms four seconds later), and the controller's
+    own choices follow its prices, so drafts rose while the machine sped up. A fit of levels read that
+    as drafts that cost nothing (11.6 ms to 0.0 within ten steps where a draft costs ~12 ms) and auto
+    drafted 2-3 tokens a step at acceptance 0.2. A difference of two steps a quarter second apart cancels
+    the drift; pairs whose drafts did not change say nothing about them and are left out, so a steady
+    stretch keeps its prices instead of forgetting them.
+
+    Why two draft terms: a request that drafts turns its one-token row into a multi-token query, and
+    that costs more than the tokens do (16 requests here, static K = 0/1/2/4: 441/552/574/662 ms, so ~7
+    ms for a request's first draft token and ~2 ms for each one after); one price per token overprices
+    deep drafts and underprices shallow ones. Why requests as a term: a bucket above 8 spans many
+    request counts (17-32), and a request that finishes changes the step by more than its drafts did.
+    While the drafting-request count has not varied apart from the draft count (every drafting request
+    took the same K), the fit keeps one price per token (c1 = 0)."""
+
+    def __init__(self, decay: float = 0.97, min_spread: float = 16.0,
+                 min_request_spread: float = 8.0, split_only: bool = False) -> None:
+        # `split_only`: prices only once the first and further drafts were told apart (one request: see
+        # StepCostModel.draft_prices).
+        self.split_only = split_only
+        self.decay = decay  # per informative pair: ~33 pairs of memory
+        # Weighted sum of squares of draft-count changes (about their mean) needed to trust c2: the price's
+        # error is the pairs' noise over its square root (~4 ms / 4 at 8 requests here). A sum, not a
+        # variance: drafts move by 1-2 a step at a few requests, and more pairs of those do make a price.
+        self.min_spread = min_spread
+        # ... and of drafting-request changes not explained by draft-count changes, to trust c1.
+        self.min_request_spread = min_request_spread
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
+        self._prev: tuple[tuple[float, float, float], float] | None = None
+        self._fitted = False  # prices() is asked once per candidate draft token: solve once per step
+        self._prices: tuple[float, float] | None = None
+        self._split: tuple[float, float] | None = None  # the last fit that told the two prices apart
+
+    def observe(self, num_rows: int, num_drafts: int, seconds: float,
+                num_drafting: int | None = None, follows: bool = True) -> None:
+        """One decode/verify step; `follows`: the previous observation was the step just before it."""
+        drafting = float(num_drafting if num_drafting is not None else min(num_drafts, num_rows))
+        cur = (float(num_rows), drafting, float(num_drafts))
+        prev, self._prev = self._prev, (cur, seconds)
+        if prev is None or not follows:
+            return
+        d_rows, d_drafting, d_drafts = (a - b for a, b in zip(cur, prev[0], strict=True))
+        if d_drafting == 0 and d_drafts == 0:
+            return
+        self._fitted = False
+        x = (1.0, d_rows, d_drafting, d_drafts)
+        dy = seconds - prev[1]
+        for i in range(4):
+            self._xy[i] = self.decay * self._xy[i] + x[i] * dy
+            for j in range(4):
+                self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
+
+    @property
+    def weight(self) -> float:
+        """Decayed number of step pairs the fit rests on."""
+        return self._xx[0][0]
+
+    def prices(self) -> tuple[float, float] | None:
+        """(first draft token of a request, each further one) in seconds; None while draft counts have
+        not varied enough to tell them apart from the rest of the step (with `split_only`: or while the
+        two prices have never been told apart)."""
+        if not self._fitted:
+            self._prices, self._fitted = self._fit(), True
+        if self.split_only and self._prices is not self._split:
+            return None
+        return self._prices
+
+    def _fit(self) -> tuple[float, float] | None:
+        xx, w = self._xx, self._xx[0][0]
+        if w <= 0:
+            return None
+        mr, md = xx[0][2] / w, xx[0][3] / w
+        ss_d = xx[3][3] - w * md * md
+        if ss_d < self.min_spread:
+            return None
+        ss_r, sp = xx[2][2] - w * mr * mr, xx[2][3] - w * mr * md
+        if ss_r - sp * sp / ss_d >= self.min_request_spread:
+            coef = self._lsq((0, 1, 2, 3))
+            if coef is not None and coef[2] >= 0 and coef[3] > 0:
+                self._split = (coef[2] + coef[3], coef[3])
+                return self._split
+            # A first draft cheaper than the next ones, or a further one that costs nothing, is noise.
+        if self._split is not None:
+            # Steady load (every step ~the same requests drafting, only the draft count moving) cannot
+            # tell the two prices apart: keep the last split rather than one mean price, which prices
+            # further drafts at ~6 ms where they cost ~4 (32 requests) and stops them at K ~3.
+            return self._split
+        coef = self._lsq((0, 1, 3))
+        # A negative price is noise in a few steps, not free drafts.
+        return None if coef is None or coef[2] <= 0 else (coef[2], coef[2])
+
+    def _lsq(self, terms: tuple[int, ...]) -> list[float] | None:
+        a = [[self._xx[i][j] for j in terms] for i in terms]
+        # Ridge: where the request count never changed between paired steps its term is all zeros.
+        a[1][1] += 1e-6 * (a[1][1] + 1.0)
+        for k in range(2, len(terms)):
+            a[k][k] += 1e-9 * (a[k][k] + 1.0)
+        return _solve(a, [self._xy[i] for i in terms])
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for k in range(col, n + 1):
+                m[r][k] -= f * m[col][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
+
+
+class StepCostModel:
+    """Step seconds as a function of the step's tokens and of how many requests (rows) it serves,
+    learned from the engine's own steps.
+
+    Tokens alone do not say what a step costs: every request adds its own attention over its context
+    and per-request work, so 3 requests x 1 token cost far more than 1 request x 3 tokens (92 vs 54 ms
+    here). Drafting adds tokens to a step whose request count is fixed, so the marginal cost of a draft
+    must come from steps with that many requests. One curve per request-count bucket (exact up to 8,
+    then powers of two), plus a pooled curve over all steps that stands in while a bucket is thin: with
+    one known point the bucket is the pooled curve's shape shifted through it."""
+
+    def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2) -> None:
+        self._prior, self._ema = prior, ema
+        self.pooled = TokenCurve(prior, ema)
+        self._by_rows: dict[int, TokenCurve] = {}
+        self._draft_fit: dict[int, DraftPriceFit] = {}
+        # A bucket's own draft prices count once fitted on this many (decayed) step pairs; before that a
+        # fit on two or three steps has seen one K mix and prices every draft like a request's first.
+        self.own_fit_steps = 6.0
+        self._last_bucket: int | None = None  # the bucket of the step just observed, for step pairs
+
+    def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None,
+                num_drafting: int | None = None) -> None:
+        """One decode/verify step: `num_rows` requests, `num_drafting` of them verifying drafts."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        self.pooled.observe(num_tokens, seconds)
+        if num_rows is not None and num_rows > 0:
+            b = _bucket(num_rows)
+            curve = self._by_rows.get(b)
+            if curve is None:
+                curve = self._by_rows[b] = TokenCurve(self._prior, self._ema)
+            curve.observe(num_tokens, seconds)
+            if num_tokens >= num_rows:  # decode/verify: one token per request plus its drafts
+                fit = self._draft_fit.get(b)
+                if fit is None:
+                    fit = self._draft_fit[b] = DraftPriceFit(split_only=b == 1)
+                fit.observe(num_rows, num_tokens - num_rows, seconds, num_drafting,
+                            follows=self._last_bucket == b)
+                self._last_bucket = b
+                return
+        self._last_bucket = None
+
+    def interrupt(self) -> None:
+        """A step the draft fits do not see (one with a prefill chunk) came between: the next step pairs
+        with nothing."""
+        self._last_bucket = None
+
+    def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
+        curve = self._by_rows.get(_bucket(num_rows)) if num_rows else None
+        pts = curve.points() if curve is not None else []
+        if len(pts) >= 2:
+            return curve.predict(num_tokens)  # type: ignore[union-attr]
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return max(0.0, y0 + self.pooled.predict(num_tokens) - self.pooled.predict(x0))
+        return self.pooled.predict(num_tokens)
+
+    def marginal(self, num_tokens: float, num_rows: int | None = None) -> float:
+        """Seconds one more token adds to a step of `num_tokens` serving `num_rows` requests."""
+        return max(self.predict(num_tokens + 1, num_rows) - self.predict(num_tokens, num_rows),
+                   self.pooled.min_slope)
+
+    def measured(self, num_rows: int | None = None) -> bool:
+        """Whether draft prices at this request count come from steps (a fit, or a curve through at least
+        two points) rather than from a prior."""
+        if num_rows:
+            curve = self._by_rows.get(_bucket(num_rows))
+            if self.draft_prices(num_rows) is not None:
+                return True
+            return curve is not None and len(curve.points()) >= 2
+        return len(self.pooled.points()) >= 2
+
+    def draft_marginal(self, num_tokens: float, num_rows: int | None = None, first: bool = False) -> float:
+        """Seconds one more draft token adds to a decode step serving `num_rows` requests (`first`: the
+        request's first draft this step): the fitted prices of `draft_prices`, else the token curve's
+        local slope."""
+        p = self.draft_prices(num_rows)
+        if p is None:
+            return self.marginal(num_tokens, num_rows)
+        return max(p[0] if first else p[1], self.pooled.min_slope)
+
+    def draft_price_unknown(self, num_rows: int | None) -> bool:
+        """True where nothing measured prices a draft at this request count: no settled fit here or within
+        a factor of two, and no token curve that varies drafts alone (a request count of 8 or fewer with
+        two points). There the curve's slope is a guess, and a bad one either way: above 8 requests, or
+        with one point (the pooled curve's shape), the token axis mixes requests with drafts and read
+        12-26 ms per draft at 17-32 requests after a one-request warm-up (0.01 ms in another run) where
+        one costs ~6 ms, and auto drafted almost nothing through a c = 32 wave's ramp while static K = 4
+        more than doubled its tokens per step."""
+        if not num_rows or self._settled_prices(num_rows) is not None:
+            return False
+        b = _bucket(num_rows)
+        curve = self._by_rows.get(b)
+        return not (b <= 8 and curve is not None and len(curve.points()) >= 2)
+
+    def draft_prices(self, num_rows: int | None) -> tuple[float, float] | None:
+        """The fitted (first, further) draft prices at this request count; for its first steps (a new load
+        level), those of the nearest bucket within a factor of two that has settled prices. Why borrow: at
+        a new level the token curve's slope, or a fit on two or three steps of one K mix, prices every
+        draft like a request's first (14 ms at 32 requests where further drafts cost 4): auto drafted 1-2
+        tokens per request there where static K = 4 drafted four, in a wave of ~60 decode steps."""
+        if not num_rows:
+            return None
+        if num_rows == 1:
+            # One request: its token curve prices each K exactly (1 + K tokens), the first draft apart
+            # from the next ones (~26 ms, then ~3 ms each here); one price per token from a fit that
+            # cannot tell them apart (drafting moves with the drafts) would stop K at 1.
+            fit = self._draft_fit.get(1)
+            return fit.prices() if fit is not None else None
+        settled = self._settled_prices(num_rows)
+        if settled is not None:
+            return settled
+        fit = self._draft_fit.get(_bucket(num_rows))
+        return fit.prices() if fit is not None else None
+
+    def _settled_prices(self, num_rows: int) -> tuple[float, float] | None:
+        """This bucket's prices once fitted on `own_fit_steps` steps, else the nearest settled bucket's
+        within a factor of two, else None."""
+        b = _bucket(num_rows)
+        fit = self._draft_fit.get(b)
+        own = fit.prices() if fit is not None else None
+        if fit is not None and own is not None and fit.weight >= self.own_fit_steps:
+            return own
+        near = sorted((abs(math.log2(k / b)), -k) for k in self._draft_fit if k != b and k <= 2 * b <= 4 * k)
+        for _, neg_k in near:
+            other = self._draft_fit[-neg_k]
+            p = other.prices()
+            if p is not None and other.weight >= self.own_fit_steps:
+                return p
+        return None
