@@ -244,17 +244,20 @@ class AdaptiveController:
         # request of a c = 32 level comes due together, before the draft's cost is known, and each
         # prefills its whole context). The catch-up is not priced per token: a batched prefill costs
         # far less per token than drafting does.
-        hopeless = self._hopeless(gain, cost, base_tokens, num_rows)
+        # Verification prices count only once measured at this request count: until then a probe is how
+        # they get measured.
+        measured = self.cost.measured(num_rows)
+        first = self.cost.draft_marginal(base_tokens, num_rows, first=True) if measured else 0.0
+        more = self.cost.draft_marginal(base_tokens, num_rows) if measured else 0.0
+        hopeless = self._hopeless(gain, cost, first, more)
         # With gate_probes, a request that has been verified before is re-probed only while the method's
         # probes are accepted often enough to pay for one at this load (under load an assistant's probes
         # were accepted 1 time in 5 where 1 in 2 pays); a request never verified is probed whenever a sure
         # draft could pay. (For ngram the same gate cost 1-4% at 16-32 requests: its probes of requests
         # with a match find copied spans.)
-        vain = False
         acc = self.acceptance
-        if self.gate_probes and acc.probes_seen >= self.PROBE_MIN_SEEN and self.cost.measured(num_rows):
-            price = self.cost.draft_marginal(base_tokens, num_rows, first=True) + self.draft_cost_per_token
-            vain = acc.probe_yield * cost <= gain * price
+        vain = (self.gate_probes and measured and acc.probes_seen >= self.PROBE_MIN_SEEN
+                and acc.probe_yield * cost <= gain * (first + self.draft_cost_per_token))
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
             c = candidates[j]
@@ -272,14 +275,9 @@ class AdaptiveController:
                 catch_up_probe |= heavy
         return ks
 
-    def _hopeless(self, gain: float, cost: float, tokens: int, num_rows: int | None) -> bool:
-        """True when k drafts of one request, all accepted, lower the rate gain / cost for every k.
-        Verification counts only once its price is measured at this request count: until then a probe is
-        how it gets measured."""
-        first = more = 0.0
-        if self.cost.measured(num_rows):
-            first = self.cost.draft_marginal(tokens, num_rows, first=True)
-            more = self.cost.draft_marginal(tokens, num_rows)
+    def _hopeless(self, gain: float, cost: float, first: float, more: float) -> bool:
+        """True when k drafts of one request, all accepted, lower the rate gain / cost for every k
+        (`first`, `more`: verification prices of its first draft token and of each further one)."""
         d = self.draft_cost_per_token
         return all(k * cost <= gain * (first + (k - 1) * more + k * d) for k in range(1, self.max_k + 1))
 
