@@ -416,6 +416,29 @@ def test_probes_stop_where_their_yield_cannot_pay() -> None:
     assert any(c.choose(alone, base_tokens=1)[0] for _ in range(200))
 
 
+def test_a_dropped_probe_has_no_verdict() -> None:
+    # A probe whose draft never reaches verification (the request was preempted, or its drafts did not fit
+    # the step's budget) must not take the verdict of the request's next drafts, chosen on the estimate:
+    # the probe yield would read the chosen drafts' acceptance, which is what gating probes must not see.
+    def probe(est: AcceptanceEstimator) -> None:
+        assert [est.note_idle("r") for _ in range(4)] == [False, False, False, True]
+
+    for then_chosen in (False, True):
+        est = AcceptanceEstimator(max_k=4, base_probe=4)
+        probe(est)
+        if then_chosen:
+            est.note_drafting("r")  # next step the controller drafts for it by choice
+        else:
+            assert not est.note_idle("r")  # next step it idles (the next probe is 8 idle steps away)
+        est.observe("r", 3, 3)
+        assert est.probes_seen == 0 and est.probe_yield == 0.0
+    # A probe that does come back is counted.
+    est = AcceptanceEstimator(max_k=4, base_probe=4)
+    probe(est)
+    est.observe("r", 1, 1)
+    assert est.probes_seen == 1 and est.probe_yield == 1.0
+
+
 def test_probes_that_need_a_catch_up_go_one_per_step() -> None:
     # 8 idle requests come due together. Free probes (ngram, MTP) all go at once; probes that make a
     # draft model prefill everything since the request last drafted go one per step, the rest stay due.

@@ -118,6 +118,9 @@ class AcceptanceEstimator:
         stays due for a later step."""
         st = self._state(request_id)
         st.idle_steps += 1
+        # A probe still open here never came back (its draft was dropped: preemption, or the step's token
+        # budget): a later verification must not count as its verdict.
+        st.probing = False
         if st.idle_steps < st.probe_after or not can_probe:
             return False
         st.probe_after = min(st.probe_after * 2, self.max_probe)
@@ -128,8 +131,11 @@ class AcceptanceEstimator:
         return self._state(request_id).seen[0] > 0
 
     def note_drafting(self, request_id: str) -> None:
-        """The controller chose drafts on the estimate alone: probing starts over from the base wait."""
-        self._state(request_id).probe_after = self.base_probe
+        """The controller chose drafts on the estimate alone: probing starts over from the base wait, and
+        their verdict is no probe's."""
+        st = self._state(request_id)
+        st.probe_after = self.base_probe
+        st.probing = False
 
     def release(self, request_id: str) -> None:
         self._req.pop(request_id, None)
