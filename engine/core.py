@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.attention import PagedKVCache, select_attention
+from engine.attention import PagedKVCache, paged_attention_reference, select_attention
 from engine.config import EngineConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.faults import FaultInjector, InjectedFault
@@ -65,7 +65,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         attention_fn, attention_label = select_attention(config.attention_backend)
-        logger.info("attention backend: %s", attention_label)
+        if attention_fn is not paged_attention_reference and self.kv_cache.head_major:
+            raise ValueError("SPECSERVE_KV_LAYOUT=head: the Metal kernels read the block-major KV layout; "
+                             "unset it or use --attention-backend reference")
+        logger.info("attention backend: %s; KV layout: %s", attention_label,
+                    "head-major" if self.kv_cache.head_major else "block-major")
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size

@@ -165,7 +165,7 @@ def test_plan_decode_splits_long_contexts_only() -> None:
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_emulated_reshape_and_cache_matches_engine_write(bs: int) -> None:
-    cache = PagedKVCache(1, 6, bs, 2, 64, mx.float32)
+    cache = PagedKVCache(1, 6, bs, 2, 64, mx.float32, head_major=False)  # the kernels' layout
     cache.k[0] = mx.random.normal(cache.k[0].shape)
     cache.v[0] = mx.random.normal(cache.v[0].shape)
     k_old, v_old = np.array(cache.k[0]), np.array(cache.v[0])
@@ -250,6 +250,37 @@ def test_reference_mixed_step_groups_and_matches_dense(window: int | None) -> No
                                rtol=2e-5, atol=2e-5)
     decode_only = build_metadata([(9, 1, chunks[0][2]), (40, 1, chunks[2][2])], 8)
     assert [(g.num_rows, g.max_len, g.identity) for g in decode_only.groups] == [(2, 1, True)]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_head_major_cache_gives_the_block_major_output(window: int | None) -> None:
+    """The CPU's head-major cache ([Hkv, slots, D]) attends exactly as the block-major one: same step mix
+    (decode rows, verification rows, a long chunk), a pure-decode step and a single request, bitwise; and
+    a cache write lands the same values in either layout."""
+    lens = [(9, 1), (20, 3), (40, 1), (5, 25), (16, 5), (1, 1), (30, 3)]
+    q, kb, vb, meta, chunks = _scenario(31, 8, 64, lens, num_heads=6, num_kv_heads=2)
+    nb, bs, hkv, d = kb.shape
+
+    def head_major(a: mx.array) -> mx.array:
+        return mx.contiguous(a.reshape(nb * bs, hkv, d).transpose(1, 0, 2))
+
+    kh, vh = head_major(kb), head_major(vb)
+    decode = build_metadata([(9, 1, chunks[0][2]), (40, 1, chunks[2][2])], bs)
+    single = build_metadata([chunks[3]], bs)
+    for m in (meta, decode, single):
+        qm = q[: m.num_tokens]
+        want = paged_attention_reference(qm, kb, vb, m, 0.125, window)
+        got = paged_attention_reference(qm, kh, vh, m, 0.125, window)
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+    caches = [PagedKVCache(1, 4, 16, 2, 64, mx.float32, head_major=h) for h in (False, True)]
+    slots = mx.array([0, 15, 16, 63], dtype=mx.int32)
+    k_new, v_new = mx.random.normal((4, 2, 64)), mx.random.normal((4, 2, 64))
+    for c in caches:
+        c.write(0, slots, k_new, v_new)
+    (kb0, vb0), (kh0, vh0) = caches[0].blocks(0), caches[1].blocks(0)
+    assert kh0.shape == (2, 64, 64) and mx.array_equal(kh0, kb0.reshape(64, 2, 64).transpose(1, 0, 2)).item()
+    assert mx.array_equal(vh0, vb0.reshape(64, 2, 64).transpose(1, 0, 2)).item()
+    assert mx.array_equal(vh0[:, slots], v_new.transpose(1, 0, 2)).item()
 
 
 def test_emulated_prefill_several_sequences_per_launch() -> None:
@@ -432,7 +463,7 @@ def test_metal_prefill_softcap_matches_dense() -> None:
 def test_metal_reshape_and_cache_matches_engine_write() -> None:
     from metal_kernels.ops import reshape_and_cache
 
-    cache = PagedKVCache(1, 4, 16, 2, 64, mx.float16)
+    cache = PagedKVCache(1, 4, 16, 2, 64, mx.float16, head_major=False)
     slots = mx.array([0, 15, 16, 63], dtype=mx.int32)
     k_new, v_new = mx.random.normal((4, 2, 64)), mx.random.normal((4, 2, 64))
     k_out, v_out = reshape_and_cache(k_new, v_new, cache.k[0], cache.v[0], slots)
