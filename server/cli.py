@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--out", required=True, help="output folder (checkpoint/ and data/ go inside)")
     train.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
-    train.add_argument("--steps", type=int, default=2500)
+    train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--max-prompts", type=int, default=1536, help="prompts used from the set (0: all)")
     train.add_argument("--mix-sampled", action="store_true",
                        help="answer odd prompts with sampling (default: greedy only, as drafting sees)")
