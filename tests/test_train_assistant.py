@@ -13,7 +13,15 @@ from engine.llm import LLM
 from engine.models.loader import load_model
 from engine.models.mtp_assistant import load_assistant
 from engine.sampling import SamplingParams
-from engine.spec.train_assistant import TrainSettings, _batch, chat_length, train_assistant
+from engine.spec.train_assistant import (
+    TrainSettings,
+    _batch,
+    chat_length,
+    given,
+    settings_from_args,
+    train_assistant,
+)
+from engine.spec.train_draft import DraftSettings
 from tests.test_models import make_tiny_folder
 
 
@@ -109,3 +117,20 @@ def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> Non
     assert got["vllm:spec_decode_num_accepted_tokens_total"] == accepted
     key = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     assert [got.get(f"{key}[{i}]", 0.0) for i in range(3)] == per_pos
+
+
+def test_cli_defaults_are_the_settings_defaults() -> None:
+    """Flags left out take TrainSettings' / DraftSettings' defaults (their one home); given flags win and
+    `--max-prompts 0` means every prompt."""
+    from server.cli import build_parser
+
+    parser = build_parser()
+    assert settings_from_args(parser.parse_args(["train-assistant", "--out", "d"])) == TrainSettings()
+    flags = ["--steps", "7", "--max-prompts", "0", "--head-size", "64", "--answer-only"]
+    s = settings_from_args(parser.parse_args(["train-assistant", "--out", "d", *flags]))
+    assert (s.steps, s.max_prompts, s.head_size, s.answer_only) == (7, None, 64, True)
+    draft = parser.parse_args(["train-draft", "--out", "d"])
+    assert given(draft, "num_layers", "steps", "seed", "max_tokens", "max_prompts") == {}
+    draft = parser.parse_args(["train-draft", "--out", "d", "--num-layers", "2", "--max-prompts", "5"])
+    assert DraftSettings(**given(draft, "num_layers", "steps")) == DraftSettings(num_layers=2)
+    assert given(draft, "max_prompts") == {"max_prompts": 5}

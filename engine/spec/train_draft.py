@@ -32,6 +32,7 @@ from engine.spec.train_assistant import (
     TrainSettings,
     all_features,
     generate_texts,
+    given,
     read_prompts,
     run_cli,
 )
@@ -159,8 +160,8 @@ def train_draft(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PRO
 
 def main_cli(args: argparse.Namespace) -> int:
     """`specserve train-draft --model M --out DIR` (the namespace comes from server/cli.py)."""
-    s = DraftSettings(num_layers=args.num_layers, steps=args.steps, seed=args.seed)
-    data = TrainSettings(max_tokens=args.max_tokens, seed=args.seed, max_prompts=args.max_prompts or None)
+    s = DraftSettings(**given(args, "num_layers", "steps", "seed"))
+    data = TrainSettings(**given(args, "max_tokens", "seed", "max_prompts"))
     prompts = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
     data_file = Path(args.data) if args.data else None
     return run_cli("train-draft", args.model,
