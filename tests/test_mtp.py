@@ -154,6 +154,19 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
                 if ordered:
                     assert 0 < scored.sum() < len(want) and ours[~scored].max() < ours[scored].min()
             assert drafts[j] == [int(np.argmax(x)) for x in ref]
+    # draft_min_token_prob: each draft is cut before its first token the assistant gives less than the
+    # cut-off (cut-offs between the drafts' own probabilities, so cuts land at every length).
+    drafts, logits = prop.draft(reqs, keep_logits=True)
+    probs = np.stack([np.array(mx.softmax(lg, axis=-1).max(axis=-1)) for lg in logits], axis=1)  # [N, K]
+    edges = sorted(set(probs.ravel().tolist()))
+    lengths = set()
+    for cut in [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)] + [edges[-1] * 1.01]:
+        gated = MTPProposer(assistant, loaded, runner, min_token_prob=cut).propose(reqs)
+        for j, row in enumerate(probs):
+            n = next((i for i, x in enumerate(row) if x < cut), len(row))
+            assert gated[j] == drafts[j][:n], (cut, j)
+            lengths.add(n)
+    assert lengths == {0, 1, 2, 3} or len(lengths) >= 3, lengths
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -41,3 +41,24 @@ def test_trained_assistant_is_exact_at_batch_1_and_8(target, k: int) -> None:  #
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert all(o.spec_num_drafts == 0 for o in got[6:])  # sampled requests never draft
     assert sum(o.spec_num_accepted_tokens for o in got[:6]) > 0
+
+
+def test_min_token_prob_drafts_fewer_surer_tokens(target) -> None:  # noqa: ANN001
+    """`draft_min_token_prob` cuts drafts at the assistant's unsure tokens: output unchanged, fewer draft
+    tokens, a larger share of them accepted."""
+    kw = dict(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False)
+    plain = LLM(loaded=target, **kw)
+    prompts = [plain.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS[:4]]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, greedy)]
+    counts = []
+    for cut in (0.0, 0.4):
+        spec = LLM(loaded=target, speculative_config={"method": "mtp", "model": str(ASSISTANT),
+                                                      "num_speculative_tokens": 3,
+                                                      "draft_min_token_prob": cut}, **kw)
+        outs = [spec.generate([p], greedy)[0] for p in prompts]
+        assert [o.token_ids for o in outs] == ref
+        counts.append((sum(o.spec_num_draft_tokens for o in outs),
+                       sum(o.spec_num_accepted_tokens for o in outs)))
+    (made0, acc0), (made, acc) = counts
+    assert 0 < made < made0 and acc / made > acc0 / made0, counts

@@ -117,6 +117,9 @@ BAD_CONFIGS = [
      "draft_kv_cache_fraction"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "draft_kv_cache_fraction": 0.2}',
      "draft_kv_cache_fraction: unknown key"),
+    ('{"method": "mtp", "model": "x", "draft_min_token_prob": 1}', "draft_min_token_prob"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "draft_min_token_prob": 0.3}',
+     "draft_min_token_prob: unknown key"),
     ('not json', "JSON"),
 ]
 

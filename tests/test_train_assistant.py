@@ -16,9 +16,13 @@ from engine.sampling import SamplingParams
 from engine.spec.train_assistant import (
     TrainSettings,
     _batch,
+    agreement,
     chat_length,
     given,
+    head_rows,
+    init_from_target,
     settings_from_args,
+    target_features,
     train_assistant,
 )
 from engine.spec.train_draft import DraftSettings
@@ -68,6 +72,9 @@ def test_train_resume_and_serve(tmp_path: Path) -> None:
 
     assistant = load_assistant(str(out), target)
     assert assistant.target_layers == [len(target.model.layers) - 1]
+    # Held-out first drafts per draft_min_token_prob: all at 0, fewer (never more) as the cut-off rises.
+    made = [v[0] for v in second["held_out_by_min_token_prob"].values()]
+    assert made[0] == 1.0 and made == sorted(made, reverse=True)
     kw = dict(kv_cache_memory="32MiB", max_model_len=256, block_size=8, show_progress=False)
     plain = LLM(loaded=target, **kw)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 11]
@@ -80,6 +87,29 @@ def test_train_resume_and_serve(tmp_path: Path) -> None:
         assert [o.token_ids for o in outs] == ref
         assert sum(o.spec_num_draft_tokens for o in outs) > 0
 
+
+
+def test_agreement_counts_only_drafts_above_the_cut(tmp_path: Path) -> None:
+    """`agreement` (the summary's held-out figures): with cut-off 0 every scored position drafts; a cut-off
+    between the assistant's probabilities drafts some; one above them all drafts none. Drafts at a cut-off
+    are a subset of those at 0, so they never hold more agreeing tokens."""
+    target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
+    layer = len(target.model.layers) - 1
+    feats = target_features(target, [[5, 6, 7, 8, 9, 10, 11, 12], [100, 200, 300, 400, 500]], layer, [3, 1])
+    head = sorted({t for f in feats for t in f["labels"].tolist()})
+    net = init_from_target(target, head, layer)
+    args = (target.model.model.embed_tokens, {t: i for i, t in enumerate(head)},
+            head_rows(target, mx.array(head, dtype=mx.int32)), None)
+    b = _batch(feats, *args)
+    logits, _ = net.train_logits(b[0], b[1], b[2])
+    probs = sorted(p for p, m in zip(mx.softmax(logits, axis=-1).max(axis=-1).reshape(-1).tolist(),
+                                     b[4].reshape(-1).tolist(), strict=True) if m)
+    assert len(probs) == 5 + 4  # positions 3..7 of the first sequence, 1..4 of the second
+    made0, top0 = agreement(net, feats, *args)
+    assert made0 == 1.0
+    made, top = agreement(net, feats, *args, cut=(probs[3] + probs[4]) / 2)
+    assert made == 5 / 9 and top * made <= top0 + 1e-9
+    assert agreement(net, feats, *args, cut=probs[-1] * 1.01) == (0.0, 0.0)
 
 
 def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> None:

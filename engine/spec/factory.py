@@ -58,5 +58,5 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
             assistant = load_assistant(spec.model, target)
         except OSError as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
-        return MTPProposer(assistant, target, runner)
+        return MTPProposer(assistant, target, runner, spec.draft_min_token_prob)
     raise ValueError(f"unsupported speculative method {spec.method!r}")

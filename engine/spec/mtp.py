@@ -4,6 +4,8 @@ The runner keeps, per request, the target's final-norm hidden state of the row t
 newest token (`ModelRunner.mtp_hidden`); the assistant's queries sit at the newest token's position
 and attend over the target KV before it. K > 1 feeds `post_projection`'s output back as the next
 hidden state at the same position. Nothing is written to any KV cache, so nothing needs rollback.
+With `min_token_prob` > 0 a draft ends at its first token the assistant gives less than that probability
+(its probabilities are calibrated by the distillation loss): those drafts mostly fail and cost verification.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from engine.spec.proposer import DraftRequest
 class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
-    def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner) -> None:
+    def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner,
+                 min_token_prob: float = 0.0) -> None:
         self.assistant = assistant
+        self.min_token_prob = min_token_prob
         self.runner = runner
         if runner.mtp_hidden is None:
             runner.mtp_hidden = {}
@@ -58,7 +62,8 @@ class MTPProposer:
         k_max = max(r.num_drafts for _, r, _, _ in active)
         steps: list[mx.array] = []
         all_logits: list[mx.array] = []
-        for _ in range(k_max):
+        sure: list[mx.array] = []  # per step [N]: every draft token so far clears min_token_prob
+        for j in range(k_max):
             embeds = self.embed_tokens(toks) * self.embed_scale
             x = mx.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1)  # [N, 2 * backbone]
             logits, hidden = self.assistant.module(x, positions, caches)
@@ -66,9 +71,15 @@ class MTPProposer:
             steps.append(toks)
             if keep_logits:
                 all_logits.append(logits)
-        out = mx.stack(steps, axis=1).tolist()  # [N, k_max]
-        for (i, r, _, _), row in zip(active, out, strict=True):
-            drafts[i] = row[: r.num_drafts]
+            if self.min_token_prob > 0:
+                ok = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)) >= self.min_token_prob
+                sure.append(ok if not sure else sure[-1] & ok)
+                if j + 1 < k_max and not mx.any(sure[-1]).item():
+                    break  # every draft has ended: no more assistant passes
+        out = mx.stack(steps, axis=1).tolist()  # [N, steps run]
+        lengths = mx.stack(sure, axis=1).sum(axis=1).tolist() if sure else [len(out[0])] * len(out)
+        for (i, r, _, _), row, n in zip(active, out, lengths, strict=True):
+            drafts[i] = row[: min(r.num_drafts, int(n))]
         return drafts, all_logits
 
     def catch_up_tokens(self, request: DraftRequest) -> int:

@@ -34,6 +34,7 @@ from engine.models.mtp_trained import TRAINED_TYPE, TrainedAssistant, load_train
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "configs" / "train_prompts.jsonl"
+CALIBRATION_CUTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # draft_min_token_prob values the summary reports
 
 
 @dataclass
@@ -55,8 +56,9 @@ class TrainSettings:
     holdout: int = 0  # the last N prompts are never trained on (benchmark prompts)
     eval_every: int = 250  # steps between top-1 measurements on the held-out sequences
     eval_fraction: float = 0.04  # generated sequences kept out of training to measure top-1 on
-    # Score (and measure top-1 on) answer positions only: the assistant drafts only while the target
-    # generates. Measured 2026-11-23: no gain (benchmark position-0 acceptance 0.43 vs 0.45), so opt-in.
+    # Train on answer positions only (held-out top-1 is always measured on answers: the assistant drafts
+    # only while the target generates). Measured 2026-11-23: no gain (benchmark position-0 acceptance
+    # 0.43 vs 0.45), so opt-in.
     answer_only: bool = False
 
 
@@ -255,18 +257,24 @@ def _loss(net: TrainedAssistant, x: mx.array, k: mx.array, v: mx.array, logp: mx
     return loss, acc
 
 
-def top1(net: TrainedAssistant, feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, int],
-         teacher: mx.array, cap: float | None) -> float:
-    """First-draft top-1 agreement with the target's argmax over `feats` (token-weighted, scored
-    positions only: answers with `answer_only`)."""
-    hits = total = 0.0
+def agreement(net: TrainedAssistant, feats: list[dict[str, mx.array]], embed: nn.Module,
+              index: dict[int, int], teacher: mx.array, cap: float | None,
+              cut: float = 0.0) -> tuple[float, float]:
+    """First drafts over the scored positions of `feats` (from each one's `start`): the fraction the
+    assistant would make with `draft_min_token_prob` = cut (top probability >= cut), and their top-1
+    agreement with the target's argmax (token-weighted): the serving acceptance at position 0."""
+    hits = made = total = 0.0
     for lo in range(0, len(feats), 8):
         batch = _batch(feats[lo: lo + 8], embed, index, teacher, cap)
         x, k, v, m, y, ym = batch[0], batch[1], batch[2], batch[4], batch[5], batch[6]
         logits, _ = net.train_logits(x, k, v)
-        hits += ((mx.argmax(logits, axis=-1) == y) * ym).sum().item()
-        total += m.sum().item()  # labels outside the head vocabulary count as misses, as when serving
-    return hits / total if total else 0.0
+        top = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+        drafted = m * (top >= cut)
+        # Labels outside the head vocabulary count as misses, as when serving.
+        hits += ((mx.argmax(logits, axis=-1) == y) * ym * drafted).sum().item()
+        made += drafted.sum().item()
+        total += m.sum().item()
+    return (made / total if total else 0.0), (hits / made if made else 0.0)
 
 
 def _save_state(out: Path, net: TrainedAssistant, opt: optim.Optimizer, step: int) -> None:
@@ -292,19 +300,18 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     prompts = prompts[: len(prompts) - s.holdout] if s.holdout else prompts
     prompts = prompts[: s.max_prompts] if s.max_prompts else prompts
     seqs = generate_texts(target, prompts, s, out / "data" / "sequences.jsonl")  # resumes by chunk
-    starts = None
-    if s.answer_only:  # sequence i answers prompt i // samples_per_prompt (generate_texts' order)
-        lens = [chat_length(target, p) for p in prompts]
-        starts = [min(lens[i // s.samples_per_prompt], len(q) - 1) for i, q in enumerate(seqs)]
+    # Where each answer starts: sequence i answers prompt i // samples_per_prompt (generate_texts' order).
+    lens = [chat_length(target, p) for p in prompts]
+    starts = [min(lens[i // s.samples_per_prompt], len(q) - 1) for i, q in enumerate(seqs)]
     feats = all_features(target, seqs, layer, progress, starts)
-    # Every n-th sequence (by length, so short and long alike) is held out: top-1 agreement there is the
-    # first draft's acceptance rate on greedy text, and picks the checkpoint that is kept.
+    # Every n-th sequence (by length, so short and long alike) is held out: top-1 agreement on its answers
+    # is the first draft's acceptance rate on greedy text, and picks the checkpoint that is kept.
     step_n = max(2, round(1 / s.eval_fraction)) if s.eval_fraction > 0 else 0
     held: list[dict[str, mx.array]] = []
     train: list[dict[str, mx.array]] = []
     for i, f in enumerate(feats):
         (held if step_n and i % step_n == step_n // 2 else train).append(f)
-    feats = train
+    feats = train if s.answer_only else [dict(f, start=1) for f in train]  # else score every position
     # The head's vocabulary: the most frequent of the labels that are scored (the answers' next tokens).
     counts = Counter(t for f in feats for t in f["labels"][max(1, int(f["start"])):].tolist())
     head_ids = [t for t, _ in counts.most_common(s.head_size)]
@@ -353,8 +360,8 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
         if (step + 1) % s.save_every == 0 or step + 1 == s.steps:
             _save_state(out, net, opt, step + 1)
         if held and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
-            evals[step + 1] = top1(net, held, embed, index, teacher, cap)
-            bar.write(f"step {step + 1}: held-out top-1 {evals[step + 1]:.4f}")
+            evals[step + 1] = agreement(net, held, embed, index, teacher, cap)[1]
+            bar.write(f"step {step + 1}: held-out answer top-1 {evals[step + 1]:.4f}")
             if best is None or evals[step + 1] > best[0]:
                 best = (evals[step + 1], dict(tree_flatten(net.parameters())))  # arrays are immutable
     bar.close()
@@ -365,10 +372,14 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
                "answer_only": s.answer_only,
                "head_size": len(head_ids), "head_coverage": round(coverage, 4), "steps": s.steps,
                "final_loss": losses[-1] if losses else None,
-               "held_out_top1": {str(k): round(v, 4) for k, v in evals.items()},
+               "held_out_top1": {str(k): round(v, 4) for k, v in evals.items()},  # answer positions
                "kept_step": max(evals, key=lambda k: evals[k]) if evals else s.steps,
+               # Per draft_min_token_prob (MTPConfig): the share of held-out answer positions that get a
+               # first draft, and its top-1 agreement there (acceptance at position 0).
+               "held_out_by_min_token_prob": {str(c): [round(x, 4) for x in agreement(
+                   net, held, embed, index, teacher, cap, c)] for c in CALIBRATION_CUTS} if held else {},
                # On (a slice of) the training data: a sanity number, not held out.
-               "train_top1": round(top1(net, feats[-8:], embed, index, teacher, cap), 4)}
+               "train_top1": round(agreement(net, feats[-8:], embed, index, teacher, cap)[1], 4)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
