@@ -166,7 +166,7 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
             n = next((i for i, x in enumerate(row) if x < cut), len(row))
             assert gated[j] == drafts[j][:n], (cut, j)
             lengths.add(n)
-    assert lengths == {0, 1, 2, 3} or len(lengths) >= 3, lengths
+    assert len(lengths) >= 3, lengths  # the cuts did land at several lengths
 
 
 @pytest.mark.parametrize("k", [1, 3])

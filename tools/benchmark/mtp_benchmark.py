@@ -3,10 +3,10 @@
     python -m tools.benchmark.mtp_benchmark --assistant configs/assistants/smollm2-135m-mtp \
         --k 1,3 --num-prompts 8 --max-tokens 64 --output-json results/mtp/smollm2.json
 
-Variants (no speculation, MTP with each K, optionally a draft model) share one loaded target and run
-interleaved prompt by prompt, one request at a time, so machine load hits them alike. Per-position
-acceptance is counted from the engine's stats (`spec_benchmark.run_batch`); greedy token ids must be
-identical across variants (checked).
+Variants (no speculation, MTP with each K and each `--min-token-prob` cut-off, optionally a draft
+model) share one loaded target and run interleaved prompt by prompt, one request at a time, so machine
+load hits them alike. Per-position acceptance is counted from the engine's stats
+(`spec_benchmark.run_batch`); greedy token ids must be identical across variants (checked).
 
 With `--check-metrics`, each speculative variant is then served by a real `specserve serve` on loopback
 and the same prompts are sent one at a time through `/v1/completions`; the deltas of `/metrics`'
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--k", default="1,3", help="comma-separated num_speculative_tokens values ('auto' too)")
     p.add_argument("--min-token-prob", default="",
                    help="comma-separated draft_min_token_prob values; each K runs once per value (default: "
-                        "the assistant's own cut-off)")
+                        "the key left out, i.e. 0)")
     p.add_argument("--draft-model", default=None, help="also run method draft_model with this model")
     p.add_argument("--prompts", default=str(ROOT / "configs" / "train_prompts_heldout.jsonl"))
     p.add_argument("--num-prompts", type=int, default=8)
