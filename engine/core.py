@@ -318,7 +318,8 @@ class EngineCore:
                 continue
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still prefilling
-            if self.adaptive is None and not self.backoff.should_draft(req.request_id):
+            if self.adaptive is None and not self.proposer.filters_drafts \
+                    and not self.backoff.should_draft(req.request_id):
                 continue  # with "auto" the controller does its own back-off and re-probing
             k = min(k_batch, req.max_tokens - req.num_output_tokens - 1,
                     self.spec_max_len - req.num_tokens)

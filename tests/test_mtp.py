@@ -185,6 +185,12 @@ def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int) -> None:
     # The random assistant's drafts are rejected, so back-off skips steps (2, then 4, ...); drafting
     # resumes after each skip, which needs the kept hidden row to track plain decode steps too.
     assert all(o.spec_num_draft_tokens >= 4 * k for o in outs), [o.spec_num_draft_tokens for o in outs]
+    # With draft_min_token_prob the assistant filters its own drafts, so there is no back-off: a cut-off
+    # every token clears drafts on every step (same drafts, more steps with them), output unchanged.
+    sure = LLM(loaded=loaded, speculative_config={**cfg, "draft_min_token_prob": 1e-9}, **kw)
+    unfiltered = sure.generate(prompts, greedy)
+    assert [o.token_ids for o in unfiltered] == ref
+    assert sum(o.spec_num_drafts for o in unfiltered) > sum(o.spec_num_drafts for o in outs)
     # Mixed with a sampled request in the same batch: greedy rows still match exactly.
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
     mixed = spec.generate(prompts[:2] + prompts[:1], [greedy, greedy, sampled])

@@ -35,6 +35,8 @@ def mixes(c: int) -> dict[str, list[int]]:
         f"{c} x 2": [2] * c,
         f"{c - 1} x 2 + 1 x 5": [2] * (c - 1) + [5],
         f"{c // 4} x 5 + {c - c // 4} x 2": [5] * (c // 4) + [2] * (c - c // 4),
+        # Lookups at K = 4: the copying half verifies four drafts, the chatting half decodes.
+        f"{half} x 5 + {c - half} x 1": [5] * half + [1] * (c - half),
         f"{c} x 5": [5] * c,
     }
 

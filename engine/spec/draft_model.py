@@ -49,6 +49,7 @@ class _State:
 
 class DraftModelProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
+    filters_drafts = False
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int) -> None:
         model = draft.model

@@ -26,6 +26,7 @@ class MTPProposer:
                  min_token_prob: float = 0.0) -> None:
         self.assistant = assistant
         self.min_token_prob = min_token_prob
+        self.filters_drafts = min_token_prob > 0
         self.runner = runner
         if runner.mtp_hidden is None:
             runner.mtp_hidden = {}

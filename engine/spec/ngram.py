@@ -26,6 +26,7 @@ def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list
 
 class NgramProposer:
     drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+    filters_drafts = False
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min
