@@ -105,11 +105,11 @@ def test_agreement_counts_only_drafts_above_the_cut(tmp_path: Path) -> None:
     probs = sorted(p for p, m in zip(mx.softmax(logits, axis=-1).max(axis=-1).reshape(-1).tolist(),
                                      b[4].reshape(-1).tolist(), strict=True) if m)
     assert len(probs) == 5 + 4  # positions 3..7 of the first sequence, 1..4 of the second
-    made0, top0 = agreement(net, feats, *args)
+    (made0, top0), (made, top), none = agreement(net, feats, *args,
+                                                 cuts=(0.0, (probs[3] + probs[4]) / 2, probs[-1] * 1.01))
     assert made0 == 1.0
-    made, top = agreement(net, feats, *args, cut=(probs[3] + probs[4]) / 2)
     assert made == 5 / 9 and top * made <= top0 + 1e-9
-    assert agreement(net, feats, *args, cut=probs[-1] * 1.01) == (0.0, 0.0)
+    assert none == (0.0, 0.0)
 
 
 def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> None:

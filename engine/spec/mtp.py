@@ -19,6 +19,12 @@ from engine.runner import ModelRunner
 from engine.spec.proposer import DraftRequest
 
 
+def top_token_prob(logits: mx.array) -> mx.array:
+    """[N, V] logits -> [N]: the probability of the argmax token, what `min_token_prob` is compared with
+    (train-assistant reports its held-out calibration with the same function)."""
+    return mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+
+
 class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
@@ -26,7 +32,6 @@ class MTPProposer:
                  min_token_prob: float = 0.0) -> None:
         self.assistant = assistant
         self.min_token_prob = min_token_prob
-        self.filters_drafts = min_token_prob > 0
         self.runner = runner
         if runner.mtp_hidden is None:
             runner.mtp_hidden = {}
@@ -34,6 +39,10 @@ class MTPProposer:
         inner = getattr(target.model, "language_model", target.model).model
         self.embed_tokens = inner.embed_tokens
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+
+    @property
+    def filters_drafts(self) -> bool:
+        return self.min_token_prob > 0
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return self.draft(requests)[0]
@@ -73,7 +82,7 @@ class MTPProposer:
             if keep_logits:
                 all_logits.append(logits)
             if self.min_token_prob > 0:
-                ok = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)) >= self.min_token_prob
+                ok = top_token_prob(logits) >= self.min_token_prob
                 sure.append(ok if not sure else sure[-1] & ok)
                 if j + 1 < k_max and not mx.any(sure[-1]).item():
                     break  # every draft has ended: no more assistant passes

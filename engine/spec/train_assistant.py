@@ -259,22 +259,27 @@ def _loss(net: TrainedAssistant, x: mx.array, k: mx.array, v: mx.array, logp: mx
 
 def agreement(net: TrainedAssistant, feats: list[dict[str, mx.array]], embed: nn.Module,
               index: dict[int, int], teacher: mx.array, cap: float | None,
-              cut: float = 0.0) -> tuple[float, float]:
-    """First drafts over the scored positions of `feats` (from each one's `start`): the fraction the
-    assistant would make with `draft_min_token_prob` = cut (top probability >= cut), and their top-1
-    agreement with the target's argmax (token-weighted): the serving acceptance at position 0."""
-    hits = made = total = 0.0
+              cuts: tuple[float, ...] = (0.0,)) -> list[tuple[float, float]]:
+    """First drafts over the scored positions of `feats` (from each one's `start`), per cut-off (one
+    assistant pass for all): the fraction the assistant would make with `draft_min_token_prob` = cut
+    (top probability >= cut), and their top-1 agreement with the target's argmax (token-weighted): the
+    serving acceptance at position 0."""
+    from engine.spec.mtp import top_token_prob
+
+    hits, made = [0.0] * len(cuts), [0.0] * len(cuts)
+    total = 0.0
     for lo in range(0, len(feats), 8):
         batch = _batch(feats[lo: lo + 8], embed, index, teacher, cap)
         x, k, v, m, y, ym = batch[0], batch[1], batch[2], batch[4], batch[5], batch[6]
         logits, _ = net.train_logits(x, k, v)
-        top = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
-        drafted = m * (top >= cut)
-        # Labels outside the head vocabulary count as misses, as when serving.
-        hits += ((mx.argmax(logits, axis=-1) == y) * ym * drafted).sum().item()
-        made += drafted.sum().item()
+        top = top_token_prob(logits)
+        right = (mx.argmax(logits, axis=-1) == y) * ym  # labels outside the head vocabulary: misses
+        for c, cut in enumerate(cuts):
+            drafted = m * (top >= cut)
+            hits[c] += (right * drafted).sum().item()
+            made[c] += drafted.sum().item()
         total += m.sum().item()
-    return (made / total if total else 0.0), (hits / made if made else 0.0)
+    return [((n / total if total else 0.0), (h / n if n else 0.0)) for h, n in zip(hits, made, strict=True)]
 
 
 def _save_state(out: Path, net: TrainedAssistant, opt: optim.Optimizer, step: int) -> None:
@@ -360,7 +365,7 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
         if (step + 1) % s.save_every == 0 or step + 1 == s.steps:
             _save_state(out, net, opt, step + 1)
         if held and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
-            evals[step + 1] = agreement(net, held, embed, index, teacher, cap)[1]
+            evals[step + 1] = agreement(net, held, embed, index, teacher, cap)[0][1]
             bar.write(f"step {step + 1}: held-out answer top-1 {evals[step + 1]:.4f}")
             if best is None or evals[step + 1] > best[0]:
                 best = (evals[step + 1], dict(tree_flatten(net.parameters())))  # arrays are immutable
@@ -376,10 +381,11 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
                "kept_step": max(evals, key=lambda k: evals[k]) if evals else s.steps,
                # Per draft_min_token_prob (MTPConfig): the share of held-out answer positions that get a
                # first draft, and its top-1 agreement there (acceptance at position 0).
-               "held_out_by_min_token_prob": {str(c): [round(x, 4) for x in agreement(
-                   net, held, embed, index, teacher, cap, c)] for c in CALIBRATION_CUTS} if held else {},
+               "held_out_by_min_token_prob": {str(c): [round(x, 4) for x in r] for c, r in zip(
+                   CALIBRATION_CUTS, agreement(net, held, embed, index, teacher, cap, CALIBRATION_CUTS),
+                   strict=True)} if held else {},
                # On (a slice of) the training data: a sanity number, not held out.
-               "train_top1": round(agreement(net, feats[-8:], embed, index, teacher, cap)[1], 4)}
+               "train_top1": round(agreement(net, feats[-8:], embed, index, teacher, cap)[0][1], 4)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
