@@ -191,6 +191,7 @@ def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int) -> None:
     unfiltered = sure.generate(prompts, greedy)
     assert [o.token_ids for o in unfiltered] == ref
     assert sum(o.spec_num_drafts for o in unfiltered) > sum(o.spec_num_drafts for o in outs)
+    assert sure.core.kv.num_free_blocks == sure.core.kv.pool.num_blocks
     # Mixed with a sampled request in the same batch: greedy rows still match exactly.
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
     mixed = spec.generate(prompts[:2] + prompts[:1], [greedy, greedy, sampled])
