@@ -25,7 +25,7 @@ import engine  # noqa: F401  (chooses the BLAS before mlx is imported)
 
 def mixes(c: int) -> dict[str, list[int]]:
     half = c // 2
-    return {
+    candidates = {
         f"{c} x 1": [1] * c,
         # Probes: one request (or a few) verifying one draft among decode rows.
         f"1 x 2 + {c - 1} x 1": [2] + [1] * (c - 1),
@@ -39,6 +39,12 @@ def mixes(c: int) -> dict[str, list[int]]:
         f"{half} x 5 + {c - half} x 1": [5] * half + [1] * (c - half),
         f"{c} x 5": [5] * c,
     }
+    # Small C makes some mixes empty, short or repeats of another: keep each distinct full mix once.
+    out: dict[str, list[int]] = {}
+    for name, ns in candidates.items():
+        if len(ns) == c and ns not in out.values():
+            out[name] = ns
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,6 +179,9 @@ class LoadedAssistant:
     target_layers: list[int]  # target KV layer each assistant layer reads
     windows: list[int | None]  # sliding window per assistant layer
     path: str
+    # Token id of each logit row where the head scores a reduced vocabulary (trained assistants);
+    # None: row i is token i.
+    head_token_ids: mx.array | None = None
 
 
 def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
@@ -251,7 +254,8 @@ def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssi
                     f"{config['head_dim']}; the target has {len(target.model.layers)} layers, head_dim "
                     f"{head_dim}, {n_kv} KV heads")
     net = load_trained(folder, config, target.dtype)
-    return LoadedAssistant(module=net, target_layers=[layer], windows=[None], path=str(folder))  # type: ignore[arg-type]
+    return LoadedAssistant(module=net, target_layers=[layer], windows=[None], path=str(folder),  # type: ignore[arg-type]
+                           head_token_ids=net.vocab_ids)
 
 
 def make_caches(assistant: LoadedAssistant, kv: PagedKVCache, meta: AttentionMetadata,

@@ -49,7 +49,8 @@ class MTPProposer:
 
     def draft(self, requests: list[DraftRequest],
               keep_logits: bool = False) -> tuple[list[list[int]], list[mx.array]]:
-        """Drafts per request, and (keep_logits) the assistant logits per step [N_active, vocab]."""
+        """Drafts per request, and (keep_logits) the assistant logits per step [N_active, head rows]
+        (the full vocabulary unless the assistant's head scores a reduced one: `head_token_ids`)."""
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, DraftRequest, int, mx.array]] = []  # (index, request, position, hidden)
         for i, r in enumerate(requests):
@@ -70,6 +71,7 @@ class MTPProposer:
         toks = mx.array([r.token_ids[-1] for _, r, _, _ in active], dtype=mx.int32)
         hidden = mx.stack([h for _, _, _, h in active])  # [N, backbone]
         k_max = max(r.num_drafts for _, r, _, _ in active)
+        ids = self.assistant.head_token_ids
         steps: list[mx.array] = []
         all_logits: list[mx.array] = []
         sure: list[mx.array] = []  # per step [N]: every draft token so far clears min_token_prob
@@ -78,6 +80,8 @@ class MTPProposer:
             x = mx.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1)  # [N, 2 * backbone]
             logits, hidden = self.assistant.module(x, positions, caches)
             toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+            if ids is not None:
+                toks = ids[toks]
             steps.append(toks)
             if keep_logits:
                 all_logits.append(logits)
@@ -86,8 +90,10 @@ class MTPProposer:
                 sure.append(ok if not sure else sure[-1] & ok)
                 if j + 1 < k_max and not mx.any(sure[-1]).item():
                     break  # every draft has ended: no more assistant passes
-        out = mx.stack(steps, axis=1).tolist()  # [N, steps run]
-        lengths = mx.stack(sure, axis=1).sum(axis=1).tolist() if sure else [len(out[0])] * len(out)
+        tokens = mx.stack(steps, axis=1)  # [N, steps run]
+        counts = mx.stack(sure, axis=1).sum(axis=1) if sure else mx.full((len(active),), len(steps))
+        mx.eval(tokens, counts)  # one evaluation for both
+        out, lengths = tokens.tolist(), counts.tolist()
         for (i, r, _, _), row, n in zip(active, out, lengths, strict=True):
             drafts[i] = row[: min(r.num_drafts, int(n))]
         return drafts, all_logits
