@@ -3,9 +3,9 @@
 Same shape family as the Gemma4 assistant: [target embedding of the newest token, target final-norm
 hidden state] -> `pre_projection` -> one decoder layer whose attention computes queries only and reads
 one target layer's paged KV (keys strictly before the query position) -> final norm -> head. The head
-scores a reduced vocabulary (the most frequent tokens of the self-distilled data, `vocab_ids`) and is
-scattered back to full ids, so a draft step costs a few percent of a target step. `post_projection`
-maps the output back to the target width for drafts 2..K. Written by `specserve train-assistant`.
+scores a reduced vocabulary (the most frequent tokens of the self-distilled data, `vocab_ids`, which map
+its argmax back to full ids), so a draft step costs a few percent of a target step. `post_projection` maps
+the output back to the target width for drafts 2..K. Written by `specserve train-assistant`.
 """
 
 from __future__ import annotations
