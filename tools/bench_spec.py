@@ -65,6 +65,22 @@ def run_once(loaded: Any, mode: str, prompts: list[list[int]], concurrent: bool,
     llm = LLM(loaded=loaded, kv_cache_memory="1GiB", max_model_len=2048, show_progress=False,
               speculative_config=cfg)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    # Decode steps by how many requests they carried: [steps, seconds]. In a closed batch the elapsed
+    # time is the longest request's steps, each priced by what the batch computes in it.
+    by_rows: dict[int, list[float]] = {}
+    core_step = llm.core.step
+
+    def step() -> Any:
+        t = time.perf_counter()
+        res = core_step()
+        st = res[1]
+        if st is not None and st.num_prompt_tokens == 0:
+            acc = by_rows.setdefault(st.num_scheduled_requests, [0, 0.0])
+            acc[0] += 1
+            acc[1] += time.perf_counter() - t
+        return res
+
+    llm.core.step = step  # type: ignore[method-assign]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp) if concurrent else [llm.generate([p], sp)[0] for p in prompts]
     elapsed = time.perf_counter() - t0
@@ -79,6 +95,7 @@ def run_once(loaded: Any, mode: str, prompts: list[list[int]], concurrent: bool,
             "draft_tokens": sum(o.spec_num_draft_tokens for o in outs),
             "accepted_tokens": sum(o.spec_num_accepted_tokens for o in outs),
             "drafts": sum(o.spec_num_drafts for o in outs),
+            "decode_steps_by_requests": {n: by_rows[n] for n in sorted(by_rows, reverse=True)},
             "token_ids": [o.token_ids for o in outs]}
 
 
@@ -145,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             mean_len = 1 + acc / drafts if drafts else 1.0
             print(f"{w:10s} {m:18s} {tps:8.2f} {ratio or 0:7.2f} {dec:8.2f} {dec_ratio or 0:7.2f} "
                   f"{rate:7.2f} {mean_len:8.2f} {exact}")
+
+    for w in chosen:
+        if not workloads[w][1]:
+            continue
+        print(f"\n{w}: decode steps by requests in the step, first run of each mode "
+              "(requests: steps, mean ms)")
+        for m in modes:
+            steps = runs[w][m][0]["decode_steps_by_requests"]
+            cells = [f"{n}: {c}, {1000 * sec / c:.0f}" for n, (c, sec) in steps.items()]
+            print(f"  {m:18s} " + "  ".join(cells))
 
     checks = {}
     if "off" in modes and "ngram" in modes:
