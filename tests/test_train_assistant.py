@@ -112,6 +112,44 @@ def test_agreement_counts_only_drafts_above_the_cut(tmp_path: Path) -> None:
     assert none == (0.0, 0.0)
 
 
+def test_served_first_draft_is_the_training_forward_argmax(tmp_path: Path) -> None:
+    """The serving path (query-only attention over the paged KV, the head's argmax mapped to token ids
+    through `vocab_ids`) drafts what the training path scores: at the position after each prompt, the
+    proposer's first draft is the training forward's argmax, mapped. The head's rows are a shuffled
+    vocabulary subset, so an unmapped (row index) or mis-mapped draft fails."""
+    import random
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.models.mtp_trained import save_trained
+    from engine.spec.proposer import DraftRequest
+
+    target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
+    layer = len(target.model.layers) - 1
+    head = random.Random(0).sample(range(target.vocab_size), 96)
+    net = init_from_target(target, head, layer)
+    folder = tmp_path / "asst"
+    save_trained(net, folder, dtype=mx.float32)
+    core = EngineCore(EngineConfig(kv_cache_memory="32MiB", max_model_len=256, block_size=8,
+                                   show_progress=False, speculative_config={
+                                       "method": "mtp", "model": str(folder), "num_speculative_tokens": 1}),
+                      loaded=target)
+    args = (target.model.model.embed_tokens, {t: i for i, t in enumerate(head)},
+            head_rows(target, mx.array(head, dtype=mx.int32)), None)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 200, 300], [42] * 19]
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        core.add_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        outs, _ = core.step()  # the prefill: its last row samples the first token
+        (first,) = [o.new_token_ids[0] for o in outs if o.request_id == rid]
+        seq = prompt + [first]
+        (served,) = core.proposer.draft([DraftRequest(rid, seq, len(prompt), 1, core.kv.block_table(rid))])[0]
+        b = _batch(target_features(target, [seq], layer), *args)
+        logits, _ = net.train_logits(b[0], b[1], b[2])
+        assert served == [head[int(mx.argmax(logits[0, -1]).item())]]  # query index -1: position len(prompt)
+        core.abort_request(rid)
+
+
 def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> None:
     """Through the real server: /metrics per-position counters equal the counts that
     tools/benchmark/spec_benchmark.py collects from the engine's stats, for the same greedy requests
