@@ -66,7 +66,6 @@ class TrainedAssistant(nn.Module):
         super().__init__()
         self.config = config
         d, backbone = int(config["hidden_size"]), int(config["backbone_hidden_size"])
-        self.vocab_size = int(config["vocab_size"])
         self.pre_projection = nn.Linear(2 * backbone, d, bias=False)
         self.input_layernorm = nn.RMSNorm(d, eps=float(config["rms_norm_eps"]))
         self.self_attn = QueryOnlyAttention(d, int(config["num_attention_heads"]), int(config["head_dim"]),
