@@ -167,6 +167,13 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
             assert gated[j] == drafts[j][:n], (cut, j)
             lengths.add(n)
     assert len(lengths) >= 3, lengths  # the cuts did land at several lengths
+    # One cut-off per position (the last repeating): position 0 against the first, later ones the second.
+    mids = [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)]
+    for first, later in [(mids[0], mids[-1]), (mids[-1], mids[0]), (0.0, mids[len(mids) // 2])]:
+        gated = MTPProposer(assistant, loaded, runner, min_token_prob=[first, later]).propose(reqs)
+        for j, row in enumerate(probs):
+            n = next((i for i, x in enumerate(row) if x < (first if i == 0 else later)), len(row))
+            assert gated[j] == drafts[j][:n], (first, later, j)
 
 
 @pytest.mark.parametrize("k", [1, 3])

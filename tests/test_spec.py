@@ -118,6 +118,9 @@ BAD_CONFIGS = [
     ('{"method": "ngram", "num_speculative_tokens": 3, "draft_kv_cache_fraction": 0.2}',
      "draft_kv_cache_fraction: unknown key"),
     ('{"method": "mtp", "model": "x", "draft_min_token_prob": 1}', "draft_min_token_prob"),
+    ('{"method": "mtp", "model": "x", "draft_min_token_prob": [0.3, 1]}', "draft_min_token_prob"),
+    ('{"method": "mtp", "model": "x", "draft_min_token_prob": []}', "draft_min_token_prob"),
+    ('{"method": "mtp", "model": "x", "draft_min_token_prob": "high"}', "draft_min_token_prob"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "draft_min_token_prob": 0.3}',
      "draft_min_token_prob: unknown key"),
     ('not json', "JSON"),
@@ -128,6 +131,14 @@ BAD_CONFIGS = [
 def test_bad_configs_fail_naming_the_key(text: str, key: str) -> None:
     with pytest.raises(SpeculativeConfigError, match=key):
         parse_speculative_config(text)
+
+
+def test_mtp_cut_offs_one_or_per_position() -> None:
+    base = {"method": "mtp", "model": "x"}
+    assert parse_speculative_config(base).draft_min_token_prob == 0.0
+    assert parse_speculative_config({**base, "draft_min_token_prob": 0.3}).draft_min_token_prob == 0.3
+    per = parse_speculative_config({**base, "draft_min_token_prob": [0.35, 0.15]})
+    assert per.draft_min_token_prob == [0.35, 0.15]
 
 
 def test_config_defaults_like_vllm() -> None:

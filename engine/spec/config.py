@@ -154,8 +154,20 @@ class MTPConfig(_Base):
     num_speculative_tokens: int = Field(1, ge=1, le=16)
     # Ours (like suffix_decoding_min_token_prob): a draft stops at the first token the assistant gives
     # less probability than this, so unlikely drafts cost no verification. 0: draft every token (as
-    # vllm-metal). Raises acceptance, but on CPU a single stream was faster at 0 (README, MTP).
-    draft_min_token_prob: float = Field(0.0, ge=0, lt=1)
+    # vllm-metal). Raises acceptance, but on CPU a single stream was faster at 0 (README, MTP). A list
+    # gives one cut-off per draft position, the last repeating: [0.35, 0.15] keeps first drafts sure
+    # (position-0 acceptance) and lets surer-than-0.15 continuations ride along (they pay at ~15%).
+    draft_min_token_prob: float | list[Annotated[float, Field(ge=0, lt=1)]] = Field(0.0)
+
+    @model_validator(mode="after")
+    def _check_cuts(self) -> MTPConfig:
+        cuts = self.draft_min_token_prob
+        if isinstance(cuts, list):
+            if not cuts:
+                raise ValueError("draft_min_token_prob: an empty list; give one value or one per position")
+        elif not 0 <= cuts < 1:
+            raise ValueError(f"draft_min_token_prob: {cuts} is outside [0, 1)")
+        return self
 
     @property
     def needs_model(self) -> bool:

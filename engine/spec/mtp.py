@@ -6,6 +6,7 @@ and attend over the target KV before it. K > 1 feeds `post_projection`'s output 
 hidden state at the same position. Nothing is written to any KV cache, so nothing needs rollback.
 With `min_token_prob` > 0 a draft ends at its first token the assistant gives less than that probability
 (its probabilities are calibrated by the distillation loss): those drafts mostly fail and cost verification.
+A list gives one cut-off per draft position (the last repeating).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
     def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner,
-                 min_token_prob: float = 0.0) -> None:
+                 min_token_prob: float | list[float] = 0.0) -> None:
         self.assistant = assistant
-        self.min_token_prob = min_token_prob
+        # Cut-off per draft position; positions past the list use its last value.
+        self.cuts = list(min_token_prob) if isinstance(min_token_prob, list) else [min_token_prob]
         self.runner = runner
         if runner.mtp_hidden is None:
             runner.mtp_hidden = {}
@@ -42,7 +44,7 @@ class MTPProposer:
 
     @property
     def filters_drafts(self) -> bool:
-        return self.min_token_prob > 0
+        return any(c > 0 for c in self.cuts)
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return self.draft(requests)[0]
@@ -85,8 +87,8 @@ class MTPProposer:
             steps.append(toks)
             if keep_logits:
                 all_logits.append(logits)
-            if self.min_token_prob > 0:
-                ok = top_token_prob(logits) >= self.min_token_prob
+            if self.filters_drafts:
+                ok = top_token_prob(logits) >= self.cuts[min(j, len(self.cuts) - 1)]
                 sure.append(ok if not sure else sure[-1] & ok)
                 if j + 1 < k_max and not mx.any(sure[-1]).item():
                     break  # every draft has ended: no more assistant passes

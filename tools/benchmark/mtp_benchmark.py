@@ -30,8 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--assistant", default=str(ROOT / "configs" / "assistants" / "smollm2-135m-mtp"))
     p.add_argument("--k", default="1,3", help="comma-separated num_speculative_tokens values ('auto' too)")
     p.add_argument("--min-token-prob", default="",
-                   help="comma-separated draft_min_token_prob values; each K runs once per value (default: "
-                        "the key left out, i.e. 0)")
+                   help="comma-separated draft_min_token_prob values, each one cut-off or one per position "
+                        "joined by '/' (0.35/0.15); each K runs once per value (default: the key left out, "
+                        "i.e. 0)")
     p.add_argument("--draft-model", default=None, help="also run method draft_model with this model")
     p.add_argument("--prompts", default=str(ROOT / "configs" / "train_prompts_heldout.jsonl"))
     p.add_argument("--num-prompts", type=int, default=8)
@@ -50,14 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = load_model(None, dtype="float32", progress=False)
     kw: dict[str, Any] = dict(kv_cache_memory="512MiB", max_model_len=2048, show_progress=False)
     configs: dict[str, dict[str, Any]] = {}
-    cuts: list[float | None] = [float(x) for x in args.min_token_prob.split(",") if x.strip()] or [None]
+    cuts: list[list[float] | None] = [[float(v) for v in x.split("/")] for x in args.min_token_prob.split(",")
+                                      if x.strip()] or [None]
     for k in [x.strip() for x in args.k.split(",") if x.strip()]:
         for cut in cuts:
             base: dict[str, Any] = {"method": "mtp", "model": args.assistant}
             name = f"mtp-k{k}" if k != "auto" else "mtp-auto"
             if cut is not None:
-                base["draft_min_token_prob"] = cut
-                name += f"-p{cut:g}"
+                base["draft_min_token_prob"] = cut[0] if len(cut) == 1 else cut
+                name += "-p" + "/".join(f"{c:g}" for c in cut)
             if k == "auto":  # the adaptive controller, K up to 3
                 configs[name] = {**base, "num_speculative_tokens": "auto",
                                  "adaptive": {"max_num_speculative_tokens": 3}}
