@@ -160,7 +160,8 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
     probs = np.stack([np.array(mx.softmax(lg, axis=-1).max(axis=-1)) for lg in logits], axis=1)  # [N, K]
     edges = sorted(set(probs.ravel().tolist()))
     lengths = set()
-    for cut in [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)] + [edges[-1] * 1.01]:
+    mids = [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)]
+    for cut in mids + [edges[-1] * 1.01]:
         gated = MTPProposer(assistant, loaded, runner, min_token_prob=cut).propose(reqs)
         for j, row in enumerate(probs):
             n = next((i for i, x in enumerate(row) if x < cut), len(row))
@@ -168,7 +169,6 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
             lengths.add(n)
     assert len(lengths) >= 3, lengths  # the cuts did land at several lengths
     # One cut-off per position (the last repeating): position 0 against the first, later ones the second.
-    mids = [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)]
     for first, later in [(mids[0], mids[-1]), (mids[-1], mids[0]), (0.0, mids[len(mids) // 2])]:
         gated = MTPProposer(assistant, loaded, runner, min_token_prob=[first, later]).propose(reqs)
         for j, row in enumerate(probs):
