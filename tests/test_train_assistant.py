@@ -148,6 +148,7 @@ def test_served_first_draft_is_the_training_forward_argmax(tmp_path: Path) -> No
         logits, _ = net.train_logits(b[0], b[1], b[2])
         assert served == [head[int(mx.argmax(logits[0, -1]).item())]]  # query index -1: position len(prompt)
         core.abort_request(rid)
+    assert core.kv.num_free_blocks == core.kv.pool.num_blocks
 
 
 def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> None:
