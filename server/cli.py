@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mix-sampled", action="store_true",
                        help="answer odd prompts with sampling (default: greedy only, as drafting sees)")
     train.add_argument("--head-size", type=int, help="reduced vocabulary of the head")
+    train.add_argument("--intermediate-size", type=int,
+                       help="MLP width of the assistant's layer (default: a sixth of the target's)")
     train.add_argument("--max-tokens", type=int, help="tokens generated per answer")
     train.add_argument("--seed", type=int)
     train.add_argument("--answer-only", action="store_true",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+import pytest
 
 from engine.llm import LLM
 from engine.models.loader import load_model
@@ -110,6 +112,35 @@ def test_agreement_counts_only_drafts_above_the_cut(tmp_path: Path) -> None:
     assert made0 == 1.0
     assert made == 5 / 9 and top * made <= top0 + 1e-9
     assert none == (0.0, 0.0)
+
+
+def test_init_cuts_the_mlp_to_its_strongest_neurons(tmp_path: Path) -> None:
+    """`intermediate_size` keeps the target layer's MLP neurons with the largest |gate| * |up| * |down|
+    norms, in their order: the assistant's MLP then computes the target MLP's sum over exactly those
+    neurons. The default is a sixth of the target's width; the full width is the target's MLP itself; zero and
+    wider than the target are refused."""
+    target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
+    layer = len(target.model.layers) - 1
+    src = target.model.model.layers[layer].mlp
+    width = src.gate_proj.weight.shape[0]
+    head = list(range(16))
+    x = mx.random.normal((3, target.model.args.hidden_size), key=mx.random.key(1))
+    full = init_from_target(target, head, layer, width)
+    assert full.config["intermediate_size"] == width
+    np.testing.assert_allclose(np.array(full.mlp(x)), np.array(src(x)), rtol=1e-5, atol=1e-6)
+    assert init_from_target(target, head, layer).config["intermediate_size"] == max(1, width // 6)
+    n = width // 4
+    cut = init_from_target(target, head, layer, n)
+    score = np.array(mx.linalg.norm(src.gate_proj.weight, axis=1) * mx.linalg.norm(src.up_proj.weight, axis=1)
+                     * mx.linalg.norm(src.down_proj.weight, axis=0))
+    keep = np.sort(np.argsort(-score)[:n])
+    act = np.array(nn.silu(src.gate_proj(x)) * src.up_proj(x))[:, keep]
+    want = act @ np.array(src.down_proj.weight)[:, keep].T
+    assert cut.config["intermediate_size"] == n and cut.mlp.gate_proj.weight.shape == (n, x.shape[1])
+    np.testing.assert_allclose(np.array(cut.mlp(x)), want, rtol=1e-4, atol=1e-5)
+    for bad in (0, width + 1):
+        with pytest.raises(ValueError, match="intermediate_size"):
+            init_from_target(target, head, layer, bad)
 
 
 def test_served_first_draft_is_the_training_forward_argmax(tmp_path: Path) -> None:
