@@ -297,7 +297,7 @@ def select_attention(backend: AttentionBackend) -> tuple[Callable[..., mx.array]
         raise ValueError(f"attention_backend must be auto, metal or reference, not {backend!r}")
     if backend == "reference" or (backend == "auto" and not mx.metal.is_available()):
         why = "forced" if backend == "reference" else "no Metal device"
-        return paged_attention_reference, f"reference (MLX gather + fused SDPA; {why})"
+        return paged_attention_reference, f"reference (MLX ops: KV gather + attention; {why})"
     if not mx.metal.is_available():
         raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
                          "here); use auto or reference")

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--assistant", default=str(ROOT / "configs" / "assistants" / "smollm2-135m-mtp"))
+    p.add_argument("--assistant", default=str(ROOT / "configs" / "assistants" / "smollm2-135m-mtp"),
+                   help="assistant folder; several, comma-separated, run as variants of their own "
+                        "(named [folder]), interleaved with the others")
     p.add_argument("--k", default="1,3", help="comma-separated num_speculative_tokens values ('auto' too)")
     p.add_argument("--min-token-prob", default="",
                    help="comma-separated draft_min_token_prob values, each one cut-off or one per position "
@@ -53,18 +55,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs: dict[str, dict[str, Any]] = {}
     cuts: list[list[float] | None] = [[float(v) for v in x.split("/")] for x in args.min_token_prob.split(",")
                                       if x.strip()] or [None]
-    for k in [x.strip() for x in args.k.split(",") if x.strip()]:
-        for cut in cuts:
-            base: dict[str, Any] = {"method": "mtp", "model": args.assistant}
-            name = f"mtp-k{k}" if k != "auto" else "mtp-auto"
-            if cut is not None:
-                base["draft_min_token_prob"] = cut[0] if len(cut) == 1 else cut
-                name += "-p" + "/".join(f"{c:g}" for c in cut)
-            if k == "auto":  # the adaptive controller, K up to 3
-                configs[name] = {**base, "num_speculative_tokens": "auto",
-                                 "adaptive": {"max_num_speculative_tokens": 3}}
-            else:
-                configs[name] = {**base, "num_speculative_tokens": int(k)}
+    assistants = [a.strip() for a in args.assistant.split(",") if a.strip()]
+    ks = [x.strip() for x in args.k.split(",") if x.strip()]
+    for k, cut, assistant in [(k, c, a) for k in ks for c in cuts for a in assistants]:
+        base: dict[str, Any] = {"method": "mtp", "model": assistant}
+        name = f"mtp-k{k}" if k != "auto" else "mtp-auto"
+        if len(assistants) > 1:
+            name += f"[{Path(assistant).name}]"
+        if cut is not None:
+            base["draft_min_token_prob"] = cut[0] if len(cut) == 1 else cut
+            name += "-p" + "/".join(f"{c:g}" for c in cut)
+        if k == "auto":  # the adaptive controller, K up to 3
+            configs[name] = {**base, "num_speculative_tokens": "auto",
+                             "adaptive": {"max_num_speculative_tokens": 3}}
+        else:
+            configs[name] = {**base, "num_speculative_tokens": int(k)}
     if args.draft_model:
         configs["draft_model-k3"] = {"method": "draft_model", "model": args.draft_model,
                                      "num_speculative_tokens": 3}
