@@ -225,10 +225,11 @@ def group_attention_reference(
 
 def _group_attention_head_major(q: mx.array, k: mx.array, v: mx.array, g: AttentionGroup, scale: float,
                                 window: int | None) -> mx.array:
-    """`group_attention_reference` on a head-major cache ([Hkv, slots, D]). The gather along the slots
-    gives [Hkv, R * C, D], a free reshape of [Hkv, R, C, D]: SDPA then runs with the KV heads as its batch
-    and the group's requests as its heads, each query head's G = H / Hkv rows folded into the query length
-    of its KV head. Per (request, head) the same dot products, softmax and sums as the block-major path."""
+    """`group_attention_reference` on a head-major cache ([Hkv, slots, D]). The gather of the group's
+    blocks gives [Hkv, R * C, D], a free reshape of [Hkv, R, C, D]: attention then runs with the KV heads
+    as its batch and the group's requests as its heads, each query head's G = H / Hkv rows folded into the
+    query length of its KV head. Per (request, head) the same dot products and sums as the block-major
+    path; only the exponential differs (`_attend_pow2`)."""
     hkv, slots, d = k.shape
     R, L = g.num_rows, g.max_len
     h = q.shape[1]
@@ -254,7 +255,7 @@ def _attend_pow2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.a
     power of two of log2(e)-scaled scores: MLX's CPU `exp` costs ~12.6 ns per element here against ~4.8
     for `power(2, x)`, and the exponentials are most of attention once a step has many query rows
     (one request verifying 4 drafts: -3%; 8 requests verifying 4 each: -11%; one decode row: equal).
-    Every row's arithmetic is independent of the others, so a token's output does not depend on its batch."""
+    Rows do not mix: each query row's softmax and weighted sum read only its own scores."""
     s = (q * (scale * _LOG2E)) @ k.swapaxes(-1, -2)
     s = mx.where(mask, s, -mx.inf)  # every query sees at least its own key: no row is all -inf
     p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
