@@ -94,7 +94,7 @@ class AttentionGroup:
     identity: bool = False
     _masks: dict[int | None, mx.array] = field(default_factory=dict)
     _folded: dict[tuple[int | None, int], mx.array] = field(default_factory=dict)
-    _rows: mx.array | None = None
+    _rows: dict[tuple[int, int], mx.array] = field(default_factory=dict)
 
     def folded_mask(self, window: int | None, heads_per_kv: int) -> mx.array:
         # [1, R, G * L, C]: `mask` with each KV head's G query heads folded into the query length.
@@ -110,10 +110,12 @@ class AttentionGroup:
     def head_block_rows(self, num_kv_heads: int, num_blocks: int) -> mx.array:
         # [Hkv * R * NB] int32: rows of a head-major cache viewed as [Hkv * num_blocks, block_size * D],
         # head by head, then request by request, then block by block (the head-major gather's index).
-        if self._rows is None:
+        key = (num_kv_heads, num_blocks)
+        rows = self._rows.get(key)
+        if rows is None:
             heads = mx.arange(num_kv_heads, dtype=mx.int32)[:, None, None] * num_blocks
-            self._rows = (heads + self.block_tables[None]).reshape(-1)
-        return self._rows
+            rows = self._rows[key] = (heads + self.block_tables[None]).reshape(-1)
+        return rows
 
     def mask(self, window: int | None) -> mx.array:
         # [R, 1, L, NB * block_size] bool: causal (key <= query) and inside the sliding window.

@@ -16,6 +16,7 @@ and the same prompts are sent one at a time through `/v1/completions`; the delta
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       if x.strip()] or [None]
     assistants = [a.strip() for a in args.assistant.split(",") if a.strip()]
     ks = [x.strip() for x in args.k.split(",") if x.strip()]
-    for k, cut, assistant in [(k, c, a) for k in ks for c in cuts for a in assistants]:
+    for k, cut, assistant in itertools.product(ks, cuts, assistants):
         base: dict[str, Any] = {"method": "mtp", "model": assistant}
         name = f"mtp-k{k}" if k != "auto" else "mtp-auto"
         if len(assistants) > 1:
