@@ -87,6 +87,9 @@ def test_verify_greedy_rejects_bad_shapes() -> None:
 
 @pytest.mark.parametrize(("tokens", "lo", "hi", "k", "expected"), [
     ([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 4, 7, 8, 3, 4], 2, 4, 3, [7, 8, 3]),  # most recent of equal length
+    # equally long matches (capped at 2): the one whose earlier tokens (11) also agree wins over recency
+    ([10, 11, 3, 4, 20, 12, 13, 3, 4, 21, 10, 11, 3, 4], 2, 2, 1, [20]),
+    ([12, 11, 3, 4, 20, 12, 11, 3, 4, 21, 10, 11, 3, 4], 2, 2, 1, [21]),  # context as long: most recent
     ([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], 1, 4, 2, [6, 0]),  # longest match wins
     ([1, 2, 3, 1, 2], 3, 3, 4, []),  # suffix shorter than min never matches
     ([7, 8, 7, 8, 7, 8], 2, 2, 5, [7, 8]),  # proposal truncated by the end of the sequence

@@ -10,7 +10,8 @@ from engine.spec.proposer import DraftRequest
 
 
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """tokens: [n] int. Longest suffix match wins; among equally long ones the most recent."""
+    """tokens: [n] int. Longest suffix match wins; among equally long ones the one whose earlier tokens
+    go on agreeing with the context longest (up to `_CONTEXT_CAP` more), then the most recent."""
     n = tokens.shape[0]
     if n < min_n + 1 or k < 1:
         return []
@@ -19,9 +20,32 @@ def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list
         windows = sliding_window_view(tokens[: n - 1], length)  # [n - length, length]: each has a follower
         hits = np.flatnonzero((windows == tokens[n - length :]).all(axis=1))
         if hits.size:
+            if hits.size > 1:
+                hits = _longest_context(tokens, hits, n - length)
             follow = int(hits[-1]) + length
             return tokens[follow : follow + k].tolist()
     return []
+
+
+# How far back ties between equally long matches are broken. A copy of a text with repeated phrases
+# ("return a + b" / "return a - b") matches several places within prompt_lookup_max tokens; the one
+# preceded by the same tokens as the context is the place being copied.
+_CONTEXT_CAP = 64
+
+
+def _longest_context(tokens: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
+    """starts: window starts of equally long matches of the suffix that begins at `end`. Keeps those
+    whose preceding tokens agree with the ones before `end` for the most positions."""
+    for j in range(1, min(_CONTEXT_CAP, end) + 1):
+        before = starts - j
+        ok = before >= 0
+        ok[ok] = tokens[before[ok]] == tokens[end - j]
+        if not ok.any():
+            break
+        starts = starts[ok]
+        if starts.size == 1:
+            break
+    return starts
 
 
 class NgramProposer:
