@@ -23,7 +23,7 @@ import mlx.core as mx
 # Requests computing more than this many tokens in a step get their own attention call; shorter ones
 # share one per query length.
 _PAD_GROUP_MAX_TOKENS = 16
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 
 def head_major_default() -> bool:
@@ -258,7 +258,7 @@ def _attend_pow2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.a
     for `power(2, x)`, and the exponentials are most of attention once a step has many query rows
     (one request verifying 4 drafts: -3%; 8 requests verifying 4 each: -11%; one decode row: equal).
     Rows do not mix: each query row's softmax and weighted sum read only its own scores."""
-    s = (q * (scale * _LOG2E)) @ k.swapaxes(-1, -2)
+    s = (q * (scale * LOG2E)) @ k.swapaxes(-1, -2)
     s = mx.where(mask, s, -mx.inf)  # every query sees at least its own key: no row is all -inf
     p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
     return (p @ v) / p.sum(axis=-1, keepdims=True)

@@ -78,6 +78,22 @@ def test_hf_folder_architectures_match_mlx_lm(arch: str, tmp_path: Path) -> None
     assert llm.core.kv.num_free_blocks == llm.core.kv.pool.num_blocks
 
 
+def test_cpu_swiglu_is_the_power_of_two_form_and_agrees_with_mlx_lm() -> None:
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from engine.models import adapter
+
+    adapter.install(default_model().model)  # what every ModelRunner does
+    assert llama.swiglu is adapter.swiglu_pow2
+    mx.random.seed(3)
+    gate = mx.random.normal((5, 1536)) * 8.0  # past the flat ends of the sigmoid both ways
+    x = mx.random.normal((5, 1536))
+    want = nn.silu(gate) * x
+    got = adapter.swiglu_pow2(gate, x)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
 def test_gemma3_sliding_window_is_applied(tmp_path: Path) -> None:
     # With the window ignored, outputs differ from mlx-lm's (which applies it): guard the guard.
     from engine.models import adapter

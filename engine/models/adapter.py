@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention import AttentionMetadata, PagedKVCache, paged_attention_reference
+from engine.attention import LOG2E, AttentionMetadata, PagedKVCache, paged_attention_reference
 
 _PATCHED_ATTR = "_specserve_paged"
 
@@ -79,8 +80,18 @@ def _dispatching_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.arr
     return sdpa
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu_pow2(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x with the exponential taken as a power of two. MLX's CPU `sigmoid` costs ~17 ns
+    per element here against ~5 for this (SmolLM2: 46k SiLU elements per token row per step, so ~0.55
+    ms per row; a step verifying 4 drafts has 5 rows). Agrees with mlx-lm's to ~5e-7 relative."""
+    return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
+
+
 def install(model: nn.Module) -> None:
-    """Route the model module's attention through `PagedLayerCache` when one is passed."""
+    """Route the model module's attention through `PagedLayerCache` when one is passed, and on the
+    CPU its SwiGLU through `swiglu_pow2`. Both are the model module's own globals, so mlx-lm's code
+    (and anything else running the module in this process) sees the same functions."""
     mod = sys.modules[type(model).__module__]
     fn = getattr(mod, "scaled_dot_product_attention", None)
     if fn is None:
@@ -89,6 +100,10 @@ def install(model: nn.Module) -> None:
             "its architecture is not supported on the paged cache")
     if not getattr(fn, _PATCHED_ATTR, False):
         mod.scaled_dot_product_attention = _dispatching_sdpa(fn)
+    from mlx_lm.models.activations import swiglu
+
+    if getattr(mod, "swiglu", None) is swiglu and mx.default_device() == mx.cpu:
+        mod.swiglu = swiglu_pow2
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:
