@@ -12,66 +12,25 @@ would have alone (see the C file). It is compiled once per source version with t
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from engine.config import cache_dir
+from engine.cbuild import X86_FLAGS, build_library, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 MAX_M = 16
-# Built where it runs, so tuned for this CPU (measured ~10% faster at 3-5 rows than generic AVX-512).
-_FLAGS = ["-O3", "-march=native", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot be used on this machine (None: it can)."""
     if os.environ.get("SPECSERVE_SMALL_GEMM", "auto").strip().lower() in ("0", "off", "false", "no"):
         return "SPECSERVE_SMALL_GEMM=0"
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"x86-64 Linux only (this is {sys.platform}/{platform.machine()})"
-    return None
-
-
-def _cpu_fingerprint() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keys = ("model name", "flags")
-    return "|".join(sorted({line.strip() for line in info.splitlines() if line.startswith(keys)}))
+    return x86_linux_reason()
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the library if this source version is not built yet; returns its path.
-    Raises RuntimeError when no compiler is found or compilation fails."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
-    # -march=native: a cache folder shared by machines with other CPUs must not reuse the build.
-    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()[:16]
-    out = (out_dir or cache_dir() / "kernels") / f"small_gemm-{tag}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build to a private name and rename: processes starting together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    """Compile the library if this source version is not built yet; returns its path."""
+    return build_library(SOURCE, "small_gemm", X86_FLAGS, out_dir)
 
 
 def load_before(blas: ctypes.CDLL) -> int:

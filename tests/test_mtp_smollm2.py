@@ -62,3 +62,40 @@ def test_min_token_prob_drafts_fewer_surer_tokens(target) -> None:  # noqa: ANN0
                        sum(o.spec_num_accepted_tokens for o in outs)))
     (made0, acc0), (made, acc) = counts
     assert 0 < made < made0 and acc / made > acc0 / made0, counts
+
+
+def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN001
+    """engine/spec/mtp_cpu.c against the MLX module on real states of the default model: the same drafts
+    (K = 3) for 8 requests drafted together and one at a time, with and without cut-offs."""
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.llm import chat_prompt_ids
+    from engine.spec.proposer import DraftRequest
+
+    core = EngineCore(EngineConfig(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False,
+                                   speculative_config={"method": "mtp", "model": str(ASSISTANT),
+                                                       "num_speculative_tokens": 3}), loaded=target)
+    prop = core.proposer
+    if prop.cpu is None:
+        pytest.skip(f"C assistant pass not used here: {prop.cpu_reason}")
+    prompts = [chat_prompt_ids(core.tokenizer, [{"role": "user", "content": c}]) for c in CHATS[:8]]
+    first: dict[str, int] = {}
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", list(p), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while len(first) < len(prompts):  # prefill steps: each last row samples the request's first token
+        outs, _ = core.step()
+        for o in outs:
+            first.setdefault(o.request_id, o.new_token_ids[0])
+    reqs = [DraftRequest(f"r{i}", [*p, first[f"r{i}"]], len(p), 3, core.kv.block_table(f"r{i}"))
+            for i, p in enumerate(prompts)]
+    for cuts in (0.0, [0.3, 0.15]):
+        prop.cuts = cuts if isinstance(cuts, list) else [cuts]
+        batch_c = prop.draft(reqs)[0]
+        batch_mlx = prop.draft(reqs, keep_logits=True)[0]  # the MLX module (it returns logits)
+        assert batch_c == batch_mlx, cuts
+        assert [prop.draft([r])[0][0] for r in reqs] == batch_c
+        lengths = [len(d) for d in batch_c]
+        assert max(lengths) == 3 and (cuts == 0.0 or min(lengths) < 3), lengths
+    for i in range(len(prompts)):
+        core.abort_request(f"r{i}")
+    assert core.kv.num_free_blocks == core.kv.pool.num_blocks

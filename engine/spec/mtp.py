@@ -11,13 +11,22 @@ A list gives one cut-off per draft position (the last repeating).
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
+import numpy as np
 
 from engine.attention import build_metadata
 from engine.models.loader import LoadedModel
 from engine.models.mtp_assistant import LoadedAssistant, make_caches
 from engine.runner import ModelRunner
+from engine.spec import mtp_cpu
 from engine.spec.proposer import DraftRequest
+
+logger = logging.getLogger("specserve.mtp")
+
+# (index in the step's requests, request, query position, target hidden row)
+_Active = tuple[int, DraftRequest, int, mx.array]
 
 
 def top_token_prob(logits: mx.array) -> mx.array:
@@ -41,6 +50,20 @@ class MTPProposer:
         inner = getattr(target.model, "language_model", target.model).model
         self.embed_tokens = inner.embed_tokens
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+        # The C pass where it applies (engine/spec/mtp_cpu.py); the MLX module otherwise.
+        self.cpu: mtp_cpu.CpuAssistant | None = None
+        self.cpu_reason = mtp_cpu.unsupported_reason(assistant, runner.kv)
+        if self.cpu_reason is None:
+            try:
+                self.cpu = mtp_cpu.CpuAssistant(assistant.module)  # type: ignore[arg-type]
+            except (RuntimeError, OSError) as e:  # no compiler, or the library does not load
+                self.cpu_reason = f"C pass unavailable: {e}"
+        if self.cpu is not None:
+            self.embed_table = mtp_cpu.embedding_table(self.embed_tokens)
+            assert assistant.head_token_ids is not None  # trained assistants score a reduced vocabulary
+            self.head_ids = np.asarray(assistant.head_token_ids)
+        logger.info("MTP assistant passes: %s", "C (engine/spec/mtp_cpu.c)" if self.cpu is not None
+                    else f"MLX ({self.cpu_reason})")
 
     @property
     def filters_drafts(self) -> bool:
@@ -54,7 +77,7 @@ class MTPProposer:
         """Drafts per request, and (keep_logits) the assistant logits per step [N_active, head rows]
         (the full vocabulary unless the assistant's head scores a reduced one: `head_token_ids`)."""
         drafts: list[list[int]] = [[] for _ in requests]
-        active: list[tuple[int, DraftRequest, int, mx.array]] = []  # (index, request, position, hidden)
+        active: list[_Active] = []
         for i, r in enumerate(requests):
             entry = self.hidden.get(r.request_id)
             pos = len(r.token_ids) - 1
@@ -63,6 +86,9 @@ class MTPProposer:
                 continue
             active.append((i, r, pos, entry[1]))
         if not active:
+            return drafts, []
+        if self.cpu is not None and not keep_logits:
+            self._draft_cpu(active, drafts)
             return drafts, []
         kv = self.runner.kv
         # Queries sit at `pos`; the mask is built one position earlier so keys stop at pos - 1
@@ -99,6 +125,38 @@ class MTPProposer:
         for (i, r, _, _), row, n in zip(active, out, lengths, strict=True):
             drafts[i] = row[: min(r.num_drafts, int(n))]
         return drafts, all_logits
+
+    def _draft_cpu(self, active: list[_Active], drafts: list[list[int]]) -> None:
+        """`draft` through the C pass: the same passes, cut-offs and early stop as the MLX path."""
+        assert self.cpu is not None
+        kv = self.runner.kv
+        n = len(active)
+        positions = np.array([pos for _, _, pos, _ in active], dtype=np.int32)
+        tables = np.zeros((n, max(len(r.block_table or []) for _, r, _, _ in active)), dtype=np.int32)
+        for row, (_, r, _, _) in enumerate(active):
+            tables[row, : len(r.block_table or [])] = r.block_table
+        hidden: np.ndarray | None = np.asarray(mx.stack([h for _, _, _, h in active]).astype(mx.float32))
+        toks = np.array([r.token_ids[-1] for _, r, _, _ in active], dtype=np.int64)
+        want = np.array([r.num_drafts for _, r, _, _ in active])
+        keys, values = kv.blocks(self.assistant.target_layers[0])
+        alive = np.ones(n, dtype=bool)
+        for j in range(int(want.max())):
+            assert hidden is not None
+            x = np.concatenate([self._embed_rows(toks), hidden], axis=1)
+            more = j + 1 < int(want.max())
+            best, prob, hidden = self.cpu.run(x, positions, tables, kv.block_size, keys, values, more)
+            toks = self.head_ids[best].astype(np.int64)
+            alive &= (prob >= self.cuts[min(j, len(self.cuts) - 1)]) & (want > j)
+            for row in np.flatnonzero(alive):
+                drafts[active[row][0]].append(int(toks[row]))
+            if not alive.any():
+                break
+
+    def _embed_rows(self, toks: np.ndarray) -> np.ndarray:
+        if self.embed_table is not None:
+            return self.embed_table[toks] * np.float32(self.embed_scale)
+        rows = self.embed_tokens(mx.array(toks, dtype=mx.int32)) * self.embed_scale
+        return np.asarray(rows.astype(mx.float32))
 
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return 0  # nothing to recompute before drafting

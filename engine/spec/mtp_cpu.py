@@ -1,0 +1,124 @@
+"""Trained MTP assistant passes in C on x86-64 CPUs (engine/spec/mtp_cpu.c), called by `MTPProposer`.
+
+Measured in the engine (SmolLM2-135M, the committed assistant): an MLX pass cost ~1.65 ms (0.31 ms
+building its ~35 ops in Python, ~1.35 ms evaluating them); see the README for the C pass. Used where the
+assistant is a trained one (`specserve_mtp`) reading a float32 head-major KV cache on an AVX-512 CPU
+(no sliding window, split-halves RoPE); `SPECSERVE_MTP_CPU=0` keeps the MLX module. The MLX module stays the
+reference: tests/test_mtp.py checks the two agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engine.attention import PagedKVCache
+from engine.cbuild import X86_FLAGS, build_library, x86_linux_reason
+from engine.models.mtp_assistant import LoadedAssistant
+from engine.models.mtp_trained import TrainedAssistant
+
+SOURCE = Path(__file__).with_name("mtp_cpu.c")
+_F32 = ctypes.POINTER(ctypes.c_float)
+_I32 = ctypes.POINTER(ctypes.c_int32)
+
+
+class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
+    _fields_ = [(name, ctypes.c_int) for name in
+                ("backbone", "hidden", "heads", "kv_heads", "head_dim", "inter", "head_size")] + \
+        [("eps", ctypes.c_float), ("rope_base", ctypes.c_float)] + \
+        [(name, ctypes.c_void_p) for name in
+         ("pre", "q", "o", "gate", "up", "down", "head", "post", "ln_in", "ln_post", "ln_final")]
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache) -> str | None:
+    """Why the C pass cannot serve this assistant here (None: it can)."""
+    if os.environ.get("SPECSERVE_MTP_CPU", "auto").strip().lower() in ("0", "off", "false", "no"):
+        return "SPECSERVE_MTP_CPU=0"
+    why = x86_linux_reason()
+    if why:
+        return why
+    if not (_cpu_has("avx512f") and _cpu_has("f16c")):
+        return "the CPU lacks AVX-512F or F16C"
+    if mx.default_device() != mx.cpu:
+        return "MLX runs on a GPU"
+    net = assistant.module
+    if not isinstance(net, TrainedAssistant):
+        return "not a trained (specserve_mtp) assistant"
+    if not kv.head_major or kv.dtype != mx.float32:
+        return "the KV cache is not float32 head-major"
+    if assistant.windows[0] is not None or net.config.get("rope_traditional"):
+        return "sliding-window or traditional-RoPE attention"
+    return None
+
+
+def _f16(w: mx.array) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(w.astype(mx.float16)))
+
+
+class CpuAssistant:
+    """The assistant's weights as float16 copies (the checkpoint's own values) and the C entry point."""
+
+    def __init__(self, net: TrainedAssistant) -> None:
+        self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", X86_FLAGS)))
+        self.lib.mtp_pass.restype = ctypes.c_int
+        c = net.config
+        self.backbone = int(c["backbone_hidden_size"])
+        mats = {"pre": net.pre_projection, "q": net.self_attn.q_proj, "o": net.self_attn.o_proj,
+                "gate": net.mlp.gate_proj, "up": net.mlp.up_proj, "down": net.mlp.down_proj,
+                "head": net.head, "post": net.post_projection}
+        self._keep = {k: _f16(m.weight) for k, m in mats.items()}
+        norms = {"ln_in": net.input_layernorm, "ln_post": net.post_attention_layernorm, "ln_final": net.norm}
+        self._keep.update({k: np.ascontiguousarray(np.asarray(m.weight.astype(mx.float32)))
+                           for k, m in norms.items()})
+        self.spec = _Assistant(
+            backbone=self.backbone, hidden=int(c["hidden_size"]), heads=int(c["num_attention_heads"]),
+            kv_heads=int(c["num_key_value_heads"]), head_dim=int(c["head_dim"]),
+            inter=int(c["intermediate_size"]), head_size=int(c["head_size"]), eps=float(c["rms_norm_eps"]),
+            rope_base=float(c["rope_theta"]), **{k: v.ctypes.data for k, v in self._keep.items()})
+
+    def run(self, x: np.ndarray, positions: np.ndarray, tables: np.ndarray, block_size: int,
+            keys: mx.array, values: mx.array, want_hidden: bool
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """x: [n, 2 * backbone] float32; positions: [n] query positions; tables: [n, L] block ids;
+        keys/values: the target layer's head-major cache. Returns (head row of the argmax [n], its
+        probability [n], post_projection output [n, backbone] when `want_hidden`)."""
+        n = x.shape[0]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        tables = np.ascontiguousarray(tables, dtype=np.int32)
+        k = np.asarray(memoryview(keys))  # zero-copy views of the evaluated cache
+        v = np.asarray(memoryview(values))
+        best = np.empty(n, dtype=np.int32)
+        prob = np.empty(n, dtype=np.float32)
+        hidden = np.empty((n, self.backbone), dtype=np.float32) if want_hidden else None
+        rc = self.lib.mtp_pass(
+            ctypes.byref(self.spec), ctypes.c_int(n), x.ctypes.data_as(_F32), positions.ctypes.data_as(_I32),
+            tables.ctypes.data_as(_I32), ctypes.c_int(tables.shape[1]), ctypes.c_int(block_size),
+            k.ctypes.data_as(_F32), v.ctypes.data_as(_F32), ctypes.c_long(k.shape[1]),
+            best.ctypes.data_as(_I32), prob.ctypes.data_as(_F32),
+            hidden.ctypes.data_as(_F32) if hidden is not None else None)
+        if rc != 0:
+            raise MemoryError("mtp_pass could not allocate its scratch memory")
+        return best, prob, hidden
+
+
+def embedding_table(embed: nn.Module) -> np.ndarray | None:
+    """A zero-copy float32 view of the target's token embedding, or None (quantized or another dtype:
+    rows then go through the module)."""
+    w = getattr(embed, "weight", None)
+    if type(embed) is not nn.Embedding or w is None or w.dtype != mx.float32:
+        return None
+    return np.asarray(memoryview(w))
