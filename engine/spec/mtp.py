@@ -52,16 +52,15 @@ class MTPProposer:
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
         # The C pass where it applies (engine/spec/mtp_cpu.py); the MLX module otherwise.
         self.cpu: mtp_cpu.CpuAssistant | None = None
-        self.cpu_reason = mtp_cpu.unsupported_reason(assistant, runner.kv)
+        self.cpu_reason = mtp_cpu.unsupported_reason(assistant, runner.kv, self.embed_tokens)
         if self.cpu_reason is None:
+            table = mtp_cpu.embedding_table(self.embed_tokens)
+            assert table is not None
             try:
-                self.cpu = mtp_cpu.CpuAssistant(assistant.module)  # type: ignore[arg-type]
+                net = assistant.module
+                self.cpu = mtp_cpu.CpuAssistant(net, table, self.embed_scale)  # type: ignore[arg-type]
             except (RuntimeError, OSError) as e:  # no compiler, or the library does not load
                 self.cpu_reason = f"C pass unavailable: {e}"
-        if self.cpu is not None:
-            self.embed_table = mtp_cpu.embedding_table(self.embed_tokens)
-            assert assistant.head_token_ids is not None  # trained assistants score a reduced vocabulary
-            self.head_ids = np.asarray(assistant.head_token_ids)
         logger.info("MTP assistant passes: %s", "C (engine/spec/mtp_cpu.c)" if self.cpu is not None
                     else f"MLX ({self.cpu_reason})")
 
@@ -127,36 +126,19 @@ class MTPProposer:
         return drafts, all_logits
 
     def _draft_cpu(self, active: list[_Active], drafts: list[list[int]]) -> None:
-        """`draft` through the C pass: the same passes, cut-offs and early stop as the MLX path."""
+        """`draft` through the C loop: the same passes, cut-offs and early stop as the MLX path."""
         assert self.cpu is not None
         kv = self.runner.kv
-        n = len(active)
-        positions = np.array([pos for _, _, pos, _ in active], dtype=np.int32)
-        tables = np.zeros((n, max(len(r.block_table or []) for _, r, _, _ in active)), dtype=np.int32)
-        for row, (_, r, _, _) in enumerate(active):
+        reqs = [r for _, r, _, _ in active]
+        tables = np.zeros((len(reqs), max(len(r.block_table or []) for r in reqs)), dtype=np.int32)
+        for row, r in enumerate(reqs):
             tables[row, : len(r.block_table or [])] = r.block_table
-        hidden: np.ndarray | None = np.asarray(mx.stack([h for _, _, _, h in active]).astype(mx.float32))
-        toks = np.array([r.token_ids[-1] for _, r, _, _ in active], dtype=np.int64)
-        want = np.array([r.num_drafts for _, r, _, _ in active])
+        hidden = np.asarray(mx.stack([h for _, _, _, h in active]).astype(mx.float32))
         keys, values = kv.blocks(self.assistant.target_layers[0])
-        alive = np.ones(n, dtype=bool)
-        for j in range(int(want.max())):
-            assert hidden is not None
-            x = np.concatenate([self._embed_rows(toks), hidden], axis=1)
-            more = j + 1 < int(want.max())
-            best, prob, hidden = self.cpu.run(x, positions, tables, kv.block_size, keys, values, more)
-            toks = self.head_ids[best].astype(np.int64)
-            alive &= (prob >= self.cuts[min(j, len(self.cuts) - 1)]) & (want > j)
-            for row in np.flatnonzero(alive):
-                drafts[active[row][0]].append(int(toks[row]))
-            if not alive.any():
-                break
-
-    def _embed_rows(self, toks: np.ndarray) -> np.ndarray:
-        if self.embed_table is not None:
-            return self.embed_table[toks] * np.float32(self.embed_scale)
-        rows = self.embed_tokens(mx.array(toks, dtype=mx.int32)) * self.embed_scale
-        return np.asarray(rows.astype(mx.float32))
+        out = self.cpu.draft([r.token_ids[-1] for r in reqs], hidden, [p for _, _, p, _ in active], tables,
+                             kv.block_size, keys, values, self.cuts, [r.num_drafts for r in reqs])
+        for (i, _, _, _), d in zip(active, out, strict=True):
+            drafts[i] = d
 
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return 0  # nothing to recompute before drafting

@@ -97,11 +97,11 @@ static void attend(const Assistant *a, const float *q, int pos, const int32_t *t
     }
 }
 
-// n requests. x: [n, 2 * backbone] = [scaled target embedding of the newest token, hidden state];
-// pos[r]: the query position (keys 0..pos-1 exist); tables: [n, table_len] block ids.
+// One pass for n requests. x: [n, 2 * backbone] = [scaled target embedding of the newest token, hidden
+// state]; pos[r]: the query position (keys 0..pos-1 exist); tables: [n, table_len] block ids.
 // Out: best[r] (head row of the argmax), prob[r] (its softmax probability), next_hidden [n, backbone]
 // (post_projection) when not NULL. Returns 0, or -1 when scratch memory cannot be had.
-int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *pos, const int32_t *tables,
+static int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *pos, const int32_t *tables,
              int table_len, int block_size, const float *kc, const float *vc, long slots, int32_t *best,
              float *prob, float *next_hidden) {
     const int d = a->hidden, qd = a->heads * a->head_dim;
@@ -146,4 +146,55 @@ int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *pos, cons
     if (next_hidden) gemv_f16(a->post, a->backbone, d, t, n, next_hidden);
     free(buf);
     return 0;
+}
+
+// MTPProposer.draft's loop (engine/spec/mtp.py) in one call, so that no Python runs between passes:
+// pass j drafts for the requests still going; request r stops at its first draft whose probability is
+// below cuts[min(j, ncuts - 1)], or after want[r] drafts; no pass runs once every request has stopped.
+// tokens[n]: each request's newest token; hidden: [n, backbone] target hidden rows (overwritten);
+// embed: the target's [vocab, backbone] float32 embedding, times embed_scale; head_ids: token id per head
+// row. Out: drafts [n, max_k] (the first lengths[r] of row r are set). Returns 0, or -1 (no memory).
+int mtp_draft(const Assistant *a, int n, const int64_t *tokens, float *hidden, const float *embed,
+              float embed_scale, const int32_t *head_ids, const int32_t *pos, const int32_t *tables,
+              int table_len, int block_size, const float *kc, const float *vc, long slots, const float *cuts,
+              int ncuts, const int32_t *want, int max_k, int32_t *drafts, int32_t *lengths) {
+    const int b = a->backbone;
+    float *x = malloc(sizeof(float) * ((size_t)n * 2 * b + n));
+    int32_t *best = malloc(sizeof(int32_t) * (size_t)n * 2);
+    if (!x || !best) {
+        free(x);
+        free(best);
+        return -1;
+    }
+    float *prob = x + (size_t)n * 2 * b;
+    int32_t *tok = best + n;
+    for (int r = 0; r < n; r++) {
+        tok[r] = (int32_t)tokens[r];
+        lengths[r] = 0;
+    }
+    int rc = 0, going = n;
+    for (int j = 0; j < max_k && going > 0; j++) {
+        for (int r = 0; r < n; r++) {
+            const float *e = embed + (size_t)tok[r] * b;
+            float *xr = x + (size_t)r * 2 * b;
+            for (int i = 0; i < b; i++) xr[i] = e[i] * embed_scale;
+            memcpy(xr + b, hidden + (size_t)r * b, sizeof(float) * b);
+        }
+        rc = mtp_pass(a, n, x, pos, tables, table_len, block_size, kc, vc, slots, best, prob,
+                      j + 1 < max_k ? hidden : NULL);
+        if (rc) break;
+        const float cut = cuts[j < ncuts ? j : ncuts - 1];
+        going = 0;
+        for (int r = 0; r < n; r++) {
+            tok[r] = head_ids[best[r]];
+            if (lengths[r] == j && j < want[r] && prob[r] >= cut) {
+                drafts[(size_t)r * max_k + j] = tok[r];
+                lengths[r]++;
+                going += lengths[r] < want[r];
+            }
+        }
+    }
+    free(x);
+    free(best);
+    return rc;
 }

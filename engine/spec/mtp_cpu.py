@@ -23,8 +23,6 @@ from engine.models.mtp_assistant import LoadedAssistant
 from engine.models.mtp_trained import TrainedAssistant
 
 SOURCE = Path(__file__).with_name("mtp_cpu.c")
-_F32 = ctypes.POINTER(ctypes.c_float)
-_I32 = ctypes.POINTER(ctypes.c_int32)
 
 
 class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
@@ -43,8 +41,9 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache) -> str | None:
-    """Why the C pass cannot serve this assistant here (None: it can)."""
+def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.Module) -> str | None:
+    """Why the C pass cannot serve this assistant here (None: it can); `embed`: the target's token
+    embedding."""
     if os.environ.get("SPECSERVE_MTP_CPU", "auto").strip().lower() in ("0", "off", "false", "no"):
         return "SPECSERVE_MTP_CPU=0"
     why = x86_linux_reason()
@@ -61,6 +60,8 @@ def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache) -> str | No
         return "the KV cache is not float32 head-major"
     if assistant.windows[0] is not None or net.config.get("rope_traditional"):
         return "sliding-window or traditional-RoPE attention"
+    if embedding_table(embed) is None:
+        return "the target's token embedding is not a float32 table"
     return None
 
 
@@ -69,11 +70,12 @@ def _f16(w: mx.array) -> np.ndarray:
 
 
 class CpuAssistant:
-    """The assistant's weights as float16 copies (the checkpoint's own values) and the C entry point."""
+    """The assistant's weights as float16 copies (the checkpoint's own values), the target's embedding
+    table (a zero-copy view) and the C entry point."""
 
-    def __init__(self, net: TrainedAssistant) -> None:
+    def __init__(self, net: TrainedAssistant, embed: np.ndarray, embed_scale: float) -> None:
         self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", X86_FLAGS)))
-        self.lib.mtp_pass.restype = ctypes.c_int
+        self.lib.mtp_draft.restype = ctypes.c_int
         c = net.config
         self.backbone = int(c["backbone_hidden_size"])
         mats = {"pre": net.pre_projection, "q": net.self_attn.q_proj, "o": net.self_attn.o_proj,
@@ -88,36 +90,43 @@ class CpuAssistant:
             kv_heads=int(c["num_key_value_heads"]), head_dim=int(c["head_dim"]),
             inter=int(c["intermediate_size"]), head_size=int(c["head_size"]), eps=float(c["rms_norm_eps"]),
             rope_base=float(c["rope_theta"]), **{k: v.ctypes.data for k, v in self._keep.items()})
+        self.embed = embed
+        self.embed_scale = ctypes.c_float(embed_scale)
+        self.head_ids = np.ascontiguousarray(np.asarray(net.vocab_ids), dtype=np.int32)
 
-    def run(self, x: np.ndarray, positions: np.ndarray, tables: np.ndarray, block_size: int,
-            keys: mx.array, values: mx.array, want_hidden: bool
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """x: [n, 2 * backbone] float32; positions: [n] query positions; tables: [n, L] block ids;
-        keys/values: the target layer's head-major cache. Returns (head row of the argmax [n], its
-        probability [n], post_projection output [n, backbone] when `want_hidden`)."""
-        n = x.shape[0]
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        positions = np.ascontiguousarray(positions, dtype=np.int32)
-        tables = np.ascontiguousarray(tables, dtype=np.int32)
+    def draft(self, tokens: list[int], hidden: np.ndarray, positions: list[int], tables: np.ndarray,
+              block_size: int, keys: mx.array, values: mx.array, cuts: list[float], want: list[int]
+              ) -> list[list[int]]:
+        """Drafts per request: `tokens` newest token ids, `hidden` [n, backbone] target hidden rows,
+        `positions` query positions, `tables` [n, L] block ids, keys/values the target layer's head-major
+        cache, `cuts` draft_min_token_prob per position (the last repeating), `want` drafts wanted."""
+        n, max_k = len(tokens), max(want)
+        toks = np.array(tokens, dtype=np.int64)
+        hid = np.array(hidden, dtype=np.float32)  # a copy: the C loop overwrites it
+        pos = np.array(positions, dtype=np.int32)
+        tab = np.ascontiguousarray(tables, dtype=np.int32)
+        cut = np.array(cuts, dtype=np.float32)
+        wanted = np.array(want, dtype=np.int32)
         k = np.asarray(memoryview(keys))  # zero-copy views of the evaluated cache
         v = np.asarray(memoryview(values))
-        best = np.empty(n, dtype=np.int32)
-        prob = np.empty(n, dtype=np.float32)
-        hidden = np.empty((n, self.backbone), dtype=np.float32) if want_hidden else None
-        rc = self.lib.mtp_pass(
-            ctypes.byref(self.spec), ctypes.c_int(n), x.ctypes.data_as(_F32), positions.ctypes.data_as(_I32),
-            tables.ctypes.data_as(_I32), ctypes.c_int(tables.shape[1]), ctypes.c_int(block_size),
-            k.ctypes.data_as(_F32), v.ctypes.data_as(_F32), ctypes.c_long(k.shape[1]),
-            best.ctypes.data_as(_I32), prob.ctypes.data_as(_F32),
-            hidden.ctypes.data_as(_F32) if hidden is not None else None)
+        out = np.empty((n, max_k), dtype=np.int32)
+        lengths = np.empty(n, dtype=np.int32)
+        rc = self.lib.mtp_draft(
+            ctypes.byref(self.spec), ctypes.c_int(n), _ptr(toks), _ptr(hid), _ptr(self.embed),
+            self.embed_scale, _ptr(self.head_ids), _ptr(pos), _ptr(tab), ctypes.c_int(tab.shape[1]),
+            ctypes.c_int(block_size), _ptr(k), _ptr(v), ctypes.c_long(k.shape[1]), _ptr(cut),
+            ctypes.c_int(len(cut)), _ptr(wanted), ctypes.c_int(max_k), _ptr(out), _ptr(lengths))
         if rc != 0:
-            raise MemoryError("mtp_pass could not allocate its scratch memory")
-        return best, prob, hidden
+            raise MemoryError("mtp_draft could not allocate its scratch memory")
+        return [row[:n_r] for row, n_r in zip(out.tolist(), lengths.tolist(), strict=True)]
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
 
 
 def embedding_table(embed: nn.Module) -> np.ndarray | None:
-    """A zero-copy float32 view of the target's token embedding, or None (quantized or another dtype:
-    rows then go through the module)."""
+    """A zero-copy float32 view of the target's token embedding, or None (quantized, another dtype)."""
     w = getattr(embed, "weight", None)
     if type(embed) is not nn.Embedding or w is None or w.dtype != mx.float32:
         return None
