@@ -76,3 +76,18 @@ def test_verification_logits_equal_one_token_decode_bitwise(default_loaded_model
         mx.eval(one[-1])
     five = adapter.compute_logits(runner.model, runner.forward_chunks([(toks[ctx:], ctx, table, 5)]))
     assert mx.array_equal(mx.concatenate(one), five).item()
+
+
+@pytest.mark.parametrize(("given", "expected"), [({}, "1000000"), ({"GOMP_SPINCOUNT": "77"}, "77"),
+                                                 ({"OMP_WAIT_POLICY": "passive"}, None)])
+def test_openmp_spin_default_is_set_before_libgomp_and_user_values_win(given: dict[str, str],
+                                                                       expected: str | None) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import engine, os; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True,
+                         check=True).stdout.split()[-1]
+    assert out == str(expected)

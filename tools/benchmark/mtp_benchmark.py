@@ -36,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma-separated draft_min_token_prob values, each one cut-off or one per position "
                         "joined by '/' (0.35/0.15); each K runs once per value (default: the key left out, "
                         "i.e. 0)")
+    p.add_argument("--assistant-pass", default="auto",
+                   help="comma-separated: auto (what the engine picks), c (engine/spec/mtp_cpu.c), mlx (the "
+                        "MLX module, SPECSERVE_MTP_CPU=0); several run as variants of their own, interleaved")
     p.add_argument("--draft-model", default=None, help="also run method draft_model with this model")
     p.add_argument("--prompts", default=str(ROOT / "configs" / "train_prompts_heldout.jsonl"))
     p.add_argument("--num-prompts", type=int, default=8)
@@ -44,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check-metrics", action="store_true",
                    help="serve each speculative variant and compare /metrics deltas with the offline counts")
     args = p.parse_args(argv)
+
+    import os
 
     import engine  # noqa: F401 - MKL before mlx
     from engine.llm import LLM
@@ -58,14 +63,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       if x.strip()] or [None]
     assistants = [a.strip() for a in args.assistant.split(",") if a.strip()]
     ks = [x.strip() for x in args.k.split(",") if x.strip()]
-    for k, cut, assistant in itertools.product(ks, cuts, assistants):
+    passes = [x.strip() for x in args.assistant_pass.split(",") if x.strip()]
+    pass_of: dict[str, str] = {}
+    for k, cut, assistant, how in itertools.product(ks, cuts, assistants, passes):
         base: dict[str, Any] = {"method": "mtp", "model": assistant}
         name = f"mtp-k{k}" if k != "auto" else "mtp-auto"
         if len(assistants) > 1:
             name += f"[{Path(assistant).name}]"
+        if len(passes) > 1:
+            name += f"[{how}]"
         if cut is not None:
             base["draft_min_token_prob"] = cut[0] if len(cut) == 1 else cut
             name += "-p" + "/".join(f"{c:g}" for c in cut)
+        pass_of[name] = how
         if k == "auto":  # the adaptive controller, K up to 3
             configs[name] = {**base, "num_speculative_tokens": "auto",
                              "adaptive": {"max_num_speculative_tokens": 3}}
@@ -75,8 +85,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs["draft_model-k3"] = {"method": "draft_model", "model": args.draft_model,
                                      "num_speculative_tokens": 3}
     variants: dict[str, Any] = {"baseline": LLM(loaded=target, **kw)}
+    user_choice = os.environ.get("SPECSERVE_MTP_CPU")
+    used: dict[str, str] = {}  # MTP variant -> how its assistant passes ran
     for name, cfg in configs.items():
-        variants[name] = LLM(loaded=target, speculative_config=cfg, **kw)
+        how = pass_of.get(name, "auto")
+        choice = {"mlx": "0", "c": "auto"}.get(how, user_choice or "auto")
+        os.environ["SPECSERVE_MTP_CPU"] = choice
+        variants[name] = LLM(loaded=target, speculative_config=cfg, **kw)  # the proposer reads it here
+        proposer = variants[name].core.proposer
+        if cfg["method"] == "mtp":
+            used[name] = "C" if proposer.cpu is not None else f"MLX ({proposer.cpu_reason})"
+        if how != "auto" and used.get(name, "").startswith("C") != (how == "c"):
+            raise SystemExit(f"{name}: asked for the {how} assistant pass, got {used.get(name)}")
+    if user_choice is None:
+        os.environ.pop("SPECSERVE_MTP_CPU", None)
+    else:
+        os.environ["SPECSERVE_MTP_CPU"] = user_choice
     lines = Path(args.prompts).read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     texts = texts[: args.num_prompts]
@@ -126,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"benchmark": "specserve.mtp_benchmark", "command": [sys.executable, "-m",
                                                              "tools.benchmark.mtp_benchmark", *sys.argv[1:]],
            "assistant": args.assistant, "prompts": texts, "max_tokens": args.max_tokens, "results": rows,
+           "assistant_pass": used,
            "metrics_check": checks}
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
