@@ -28,10 +28,21 @@ def x86_linux_reason() -> str | None:
     return None
 
 
-def _cpu_fingerprint() -> str:
+def _cpuinfo() -> str:
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
+        return ""
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (False where there is no /proc/cpuinfo)."""
+    return any(flag in line.split() for line in _cpuinfo().splitlines() if line.startswith("flags"))
+
+
+def _cpu_fingerprint() -> str:
+    info = _cpuinfo()
+    if not info:
         return platform.processor()
     keys = ("model name", "flags")
     return "|".join(sorted({line.strip() for line in info.splitlines() if line.startswith(keys)}))

@@ -1,9 +1,11 @@
-// One pass of a trained MTP assistant (engine/models/mtp_trained.py) for a few requests, on the CPU.
+// The draft loop of a trained MTP assistant (engine/models/mtp_trained.py) for a few requests, on the CPU:
+// mtp_draft runs MTPProposer.draft's passes, cut-offs and early stop; mtp_pass is one pass.
 //
 // Why C: measured inside the engine, an assistant pass through MLX cost ~1.65 ms a step (0.31 ms of
 // Python building ~35 ops, ~1.35 ms evaluating them) for ~4.4M float32 weights streamed after the
 // target's 540 MB evicted them. Here the weights are the checkpoint's float16 values (half the bytes),
-// converted in registers, and a pass is a handful of loops with no per-op dispatch.
+// converted in registers, a pass is a handful of loops with no per-op dispatch, and no Python runs
+// between passes. One thread throughout (see gemv_f16).
 //
 // Same arithmetic as the MLX module up to float rounding: pre_projection, RMSNorm, query projection,
 // RoPE (split halves), attention over the target's head-major paged KV (keys at positions < the query's),

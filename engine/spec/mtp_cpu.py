@@ -1,10 +1,11 @@
-"""Trained MTP assistant passes in C on x86-64 CPUs (engine/spec/mtp_cpu.c), called by `MTPProposer`.
+"""The trained MTP assistant's draft loop in C on x86-64 CPUs (engine/spec/mtp_cpu.c), for `MTPProposer`.
 
-Measured in the engine (SmolLM2-135M, the committed assistant): an MLX pass cost ~1.65 ms (0.31 ms
-building its ~35 ops in Python, ~1.35 ms evaluating them); see the README for the C pass. Used where the
-assistant is a trained one (`specserve_mtp`) reading a float32 head-major KV cache on an AVX-512 CPU
-(no sliding window, split-halves RoPE); `SPECSERVE_MTP_CPU=0` keeps the MLX module. The MLX module stays the
-reference: tests/test_mtp.py checks the two agree.
+Why: measured in the engine (SmolLM2-135M, the committed assistant), an MLX pass cost ~1.65 ms (0.31 ms
+building its ~35 ops in Python, ~1.35 ms evaluating them); the C loop drafts in ~1.5 ms per step in all
+(README, *MTP assistants*). Used where the assistant is a trained one (`specserve_mtp`) reading a float32
+head-major KV cache and a float32 embedding table on an AVX-512 CPU (no sliding window, split-halves
+RoPE); `SPECSERVE_MTP_CPU=0` keeps the MLX module, which stays the reference:
+tests/test_mtp_smollm2.py checks that both draft the same tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.attention import PagedKVCache
-from engine.cbuild import X86_FLAGS, build_library, x86_linux_reason
+from engine.cbuild import X86_FLAGS, build_library, cpu_has, x86_linux_reason
 from engine.models.mtp_assistant import LoadedAssistant
 from engine.models.mtp_trained import TrainedAssistant
 
@@ -33,14 +34,6 @@ class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
          ("pre", "q", "o", "gate", "up", "down", "head", "post", "ln_in", "ln_post", "ln_final")]
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.Module) -> str | None:
     """Why the C pass cannot serve this assistant here (None: it can); `embed`: the target's token
     embedding."""
@@ -49,7 +42,7 @@ def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.M
     why = x86_linux_reason()
     if why:
         return why
-    if not (_cpu_has("avx512f") and _cpu_has("f16c")):
+    if not (cpu_has("avx512f") and cpu_has("f16c")):
         return "the CPU lacks AVX-512F or F16C"
     if mx.default_device() != mx.cpu:
         return "MLX runs on a GPU"
@@ -81,7 +74,7 @@ class CpuAssistant:
         mats = {"pre": net.pre_projection, "q": net.self_attn.q_proj, "o": net.self_attn.o_proj,
                 "gate": net.mlp.gate_proj, "up": net.mlp.up_proj, "down": net.mlp.down_proj,
                 "head": net.head, "post": net.post_projection}
-        self._keep = {k: _f16(m.weight) for k, m in mats.items()}
+        self._keep = {k: _f16(m.weight) for k, m in mats.items()}  # alive as long as C holds pointers
         norms = {"ln_in": net.input_layernorm, "ln_post": net.post_attention_layernorm, "ln_final": net.norm}
         self._keep.update({k: np.ascontiguousarray(np.asarray(m.weight.astype(mx.float32)))
                            for k, m in norms.items()})
