@@ -96,6 +96,12 @@ def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN0
         assert [prop.draft([r])[0][0] for r in reqs] == batch_c
         lengths = [len(d) for d in batch_c]
         assert max(lengths) == 3 and (cuts == 0.0 or min(lengths) < 3), lengths
+    # A block table too short for the position (never expected) drafts nothing instead of reading past it.
+    r, block_size = reqs[0], core.runner.kv.block_size
+    assert r.block_table is not None and len(r.token_ids) > 2 * block_size
+    short = DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, 3, r.block_table[:1])
+    prop.cuts = [0.0]  # no cut-off could hide drafts made from a read past the table
+    assert prop.draft([short])[0] == [[]]
     for i in range(len(prompts)):
         core.abort_request(f"r{i}")
     assert core.kv.num_free_blocks == core.kv.pool.num_blocks

@@ -130,6 +130,11 @@ class MTPProposer:
         """`draft` through the C loop: the same passes, cut-offs and early stop as the MLX path."""
         assert self.cpu is not None
         kv = self.runner.kv
+        # The C loop reads keys 0..pos-1 through the block table without bounds checks: a table too short
+        # for its position (never expected) gets no drafts here instead of a read past its end.
+        active = [a for a in active if a[2] <= len(a[1].block_table or []) * kv.block_size]
+        if not active:
+            return
         reqs = [r for _, r, _, _ in active]
         tables = np.zeros((len(reqs), max(len(r.block_table or []) for r in reqs)), dtype=np.int32)
         for row, r in enumerate(reqs):
