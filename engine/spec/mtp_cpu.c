@@ -104,8 +104,8 @@ static void attend(const Assistant *a, const float *q, int pos, const int32_t *t
 // Out: best[r] (head row of the argmax), prob[r] (its softmax probability), next_hidden [n, backbone]
 // (post_projection) when not NULL. Returns 0, or -1 when scratch memory cannot be had.
 static int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *pos, const int32_t *tables,
-             int table_len, int block_size, const float *kc, const float *vc, long slots, int32_t *best,
-             float *prob, float *next_hidden) {
+                    int table_len, int block_size, const float *kc, const float *vc, long slots,
+                    int32_t *best, float *prob, float *next_hidden) {
     const int d = a->hidden, qd = a->heads * a->head_dim;
     int max_pos = 1;
     for (int r = 0; r < n; r++) max_pos = pos[r] > max_pos ? pos[r] : max_pos;
