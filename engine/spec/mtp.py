@@ -55,11 +55,9 @@ class MTPProposer:
         self.cpu: mtp_cpu.CpuAssistant | None = None
         self.cpu_reason = mtp_cpu.unsupported_reason(assistant, runner.kv, self.embed_tokens)
         if self.cpu_reason is None:
-            table = mtp_cpu.embedding_table(self.embed_tokens)
-            assert table is not None
             try:
                 net = assistant.module
-                self.cpu = mtp_cpu.CpuAssistant(net, table, self.embed_scale)  # type: ignore[arg-type]
+                self.cpu = mtp_cpu.CpuAssistant(net, self.embed_tokens, self.embed_scale)  # type: ignore[arg-type]
             except (RuntimeError, OSError) as e:  # no compiler, or the library does not load
                 self.cpu_reason = f"C pass unavailable: {e}"
         logger.info("MTP assistant passes: %s", "C (engine/spec/mtp_cpu.c)" if self.cpu is not None

@@ -66,7 +66,10 @@ class CpuAssistant:
     """The assistant's weights as float16 copies (the checkpoint's own values), the target's embedding
     table (a zero-copy view) and the C entry point."""
 
-    def __init__(self, net: TrainedAssistant, embed: np.ndarray, embed_scale: float) -> None:
+    def __init__(self, net: TrainedAssistant, embed: nn.Module, embed_scale: float) -> None:
+        """`embed`: the target's token embedding, a float32 table (`unsupported_reason` checked)."""
+        table = embedding_table(embed)
+        assert table is not None
         self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", X86_FLAGS)))
         self.lib.mtp_draft.restype = ctypes.c_int
         c = net.config
@@ -83,7 +86,7 @@ class CpuAssistant:
             kv_heads=int(c["num_key_value_heads"]), head_dim=int(c["head_dim"]),
             inter=int(c["intermediate_size"]), head_size=int(c["head_size"]), eps=float(c["rms_norm_eps"]),
             rope_base=float(c["rope_theta"]), **{k: v.ctypes.data for k, v in self._keep.items()})
-        self.embed = embed
+        self.embed = table
         self.embed_scale = ctypes.c_float(embed_scale)
         self.head_ids = np.ascontiguousarray(np.asarray(net.vocab_ids), dtype=np.int32)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,8 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check-metrics", action="store_true",
                    help="serve each speculative variant and compare /metrics deltas with the offline counts")
     args = p.parse_args(argv)
-
-    import os
 
     import engine  # noqa: F401 - MKL before mlx
     from engine.llm import LLM
