@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import mlx.core as mx
+import numpy as np
 
 # Requests computing more than this many tokens in a step get their own attention call; shorter ones
 # share one per query length.
@@ -131,6 +132,17 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class HostMetadata:
+    """The step's layout as NumPy int32 arrays, for attention written in C (engine/cpu_attention.py)."""
+
+    positions: np.ndarray  # [T] each token's position
+    token_table: np.ndarray  # [T] offset of its request's block table in `tables`
+    tables: np.ndarray  # the requests' block tables, concatenated
+    block_size: int
+    max_context: int  # the longest request's context this step (keys attended by its last token)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once by the runner and shared by layers."""
 
@@ -140,6 +152,26 @@ class AttentionMetadata:
     out_index: mx.array  # [T] rows of the concatenated group outputs, back in batch order
     num_tokens: int
     start_pos: int  # position of the first token (what RoPE needs when there is a single request)
+    chunks: list[tuple[int, int, list[int]]] = field(default_factory=list)  # build_metadata's input
+    block_size: int = 0
+    _host: HostMetadata | None = None
+
+    def host(self) -> HostMetadata:
+        """Built on first use and shared by the step's layers."""
+        if self._host is None:
+            positions: list[int] = []
+            token_table: list[int] = []
+            tables: list[int] = []
+            for start, n, table in self.chunks:
+                positions.extend(range(start, start + n))
+                token_table.extend([len(tables)] * n)
+                tables.extend(table)
+            self._host = HostMetadata(
+                positions=np.array(positions, dtype=np.int32),
+                token_table=np.array(token_table, dtype=np.int32),
+                tables=np.array(tables or [0], dtype=np.int32), block_size=self.block_size,
+                max_context=max((s + n for s, n, _ in self.chunks if n), default=1))
+        return self._host
 
     @property
     def single_request(self) -> bool:
@@ -196,7 +228,7 @@ def build_metadata(
     return AttentionMetadata(
         positions=mx.array(positions, dtype=mx.int32), slot_mapping=mx.array(slots, dtype=mx.int32),
         groups=groups, out_index=mx.array(out_index, dtype=mx.int32), num_tokens=len(positions),
-        start_pos=chunks[0][0] if chunks else 0)
+        start_pos=chunks[0][0] if chunks else 0, chunks=chunks, block_size=block_size)
 
 
 def group_attention_reference(
@@ -288,23 +320,42 @@ def paged_attention_reference(
     return assemble_groups(q, k_blocks, v_blocks, meta, scale, window, group_attention_reference)
 
 
-AttentionBackend = Literal["auto", "metal", "reference"]
+AttentionBackend = Literal["auto", "metal", "cpu", "reference"]
 
 
 def select_attention(backend: AttentionBackend) -> tuple[Callable[..., mx.array], str]:
     """The attention function for `--attention-backend`, and a label for the start-up log.
 
-    `auto` picks the Metal kernels when MLX has a Metal device and the reference path otherwise;
-    `metal` without one is a start-up error, not a silent fallback."""
-    if backend not in ("auto", "metal", "reference"):
-        raise ValueError(f"attention_backend must be auto, metal or reference, not {backend!r}")
-    if backend == "reference" or (backend == "auto" and not mx.metal.is_available()):
-        why = "forced" if backend == "reference" else "no Metal device"
-        return paged_attention_reference, f"reference (MLX ops: KV gather + attention; {why})"
-    if not mx.metal.is_available():
-        raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
-                         "here); use auto or reference")
-    from metal_kernels.ops import paged_attention_metal
+    `auto` picks the Metal kernels when MLX has a Metal device, else the C kernel on an x86-64 CPU with
+    AVX-512F (engine/cpu_attention.py), else the reference path; `metal` or `cpu` where it cannot run is
+    a start-up error, not a silent fallback. The C kernel also needs a float32 head-major cache: the
+    engine checks that (`cpu_attention_fits`)."""
+    if backend not in ("auto", "metal", "cpu", "reference"):
+        raise ValueError(f"attention_backend must be auto, metal, cpu or reference, not {backend!r}")
+    if backend == "reference":
+        return paged_attention_reference, "reference (MLX ops: KV gather + attention; forced)"
+    if backend == "metal" or (backend == "auto" and mx.metal.is_available()):
+        if not mx.metal.is_available():
+            raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
+                             "here); use auto or reference")
+        from metal_kernels.ops import paged_attention_metal
 
-    return paged_attention_metal, ("metal (paged_attention_decode / paged_attention_prefill kernels; "
-                                   "prefill chunks over 128 tokens on the gather path)")
+        return paged_attention_metal, ("metal (paged_attention_decode / paged_attention_prefill kernels; "
+                                       "prefill chunks over 128 tokens on the gather path)")
+    from engine import cpu_attention
+
+    why = cpu_attention.unsupported_reason()
+    if why is None:
+        return cpu_attention.cpu_paged_attention, "cpu (engine/cpu_attention.c over the paged cache)"
+    if backend == "cpu":
+        raise ValueError(f"--attention-backend cpu cannot run here: {why}; use auto or reference")
+    return paged_attention_reference, f"reference (MLX ops: KV gather + attention; C kernel: {why})"
+
+
+def cpu_attention_fits(kv: PagedKVCache) -> str | None:
+    """Why the C attention cannot read this cache (None: it can)."""
+    if not kv.head_major:
+        return "the KV cache is block-major (the C kernel reads head-major)"
+    if kv.dtype != mx.float32:
+        return f"the KV cache holds {kv.dtype}, not float32"
+    return None

@@ -73,8 +73,9 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | float | int = Field(
         0.1, description="bytes ('2GiB') or fraction of available memory")
     enable_prefix_caching: bool = True
-    # Paged attention: Metal kernels where MLX has an Apple GPU, the gather + SDPA path elsewhere.
-    attention_backend: Literal["auto", "metal", "reference"] = "auto"
+    # Paged attention: Metal kernels where MLX has an Apple GPU, the C kernel on AVX-512 CPUs, else the
+    # MLX gather + attention path.
+    attention_backend: Literal["auto", "metal", "cpu", "reference"] = "auto"
     # Test-only fault injection (engine/faults.py): fault kind -> trigger token id.
     fault_injection: dict[str, int] | None = None
     seed: int | None = None

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.attention import PagedKVCache, paged_attention_reference, select_attention
+from engine.attention import PagedKVCache, cpu_attention_fits, paged_attention_reference, select_attention
 from engine.config import EngineConfig
+from engine.cpu_attention import cpu_paged_attention
 from engine.detokenize import IncrementalDetokenizer
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
@@ -65,7 +66,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         attention_fn, attention_label = select_attention(config.attention_backend)
-        if attention_fn is not paged_attention_reference and self.kv_cache.head_major:
+        if attention_fn is cpu_paged_attention and (why := cpu_attention_fits(self.kv_cache)) is not None:
+            if config.attention_backend == "cpu":
+                raise ValueError(f"--attention-backend cpu: {why}; use auto or reference")
+            attention_fn, attention_label = paged_attention_reference, f"reference (MLX ops; C kernel: {why})"
+        if attention_fn not in (paged_attention_reference, cpu_paged_attention) and self.kv_cache.head_major:
             raise ValueError("SPECSERVE_KV_LAYOUT=head: the Metal kernels read the block-major KV layout; "
                              "unset it or use --attention-backend reference")
         logger.info("attention backend: %s; KV layout: %s", attention_label,

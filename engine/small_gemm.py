@@ -18,7 +18,7 @@ from pathlib import Path
 from engine.cbuild import X86_FLAGS, build_library, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
-MAX_M = 16
+MAX_M = 32
 
 
 def unsupported_reason() -> str | None:

@@ -43,7 +43,7 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--block-size", "block_size", {"type": int}),
     ("--kv-cache-memory", "kv_cache_memory", {"metavar": "SIZE"}),
     ("--enable-prefix-caching", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
-    ("--attention-backend", "attention_backend", {"choices": ["auto", "metal", "reference"]}),
+    ("--attention-backend", "attention_backend", {"choices": ["auto", "metal", "cpu", "reference"]}),
     ("--speculative-config", "speculative_config", {"metavar": "JSON"}),
     ("--speculative-disable-by-batch-size", "speculative_disable_by_batch_size", {"type": int}),
     ("--per-request-spec-decode-metrics", "per_request_spec_decode_metrics", {"choices": ["off", "summary"]}),

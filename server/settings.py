@@ -50,8 +50,9 @@ class ServerSettings(BaseModel):
     kv_cache_memory: str | float = Field(
         0.1, description="KV cache size: bytes (2GiB, 512MiB) or a fraction of available memory")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
-    attention_backend: Literal["auto", "metal", "reference"] = Field(
-        "auto", description="paged attention: Metal kernels (Apple GPUs), the MLX reference path, or auto")
+    attention_backend: Literal["auto", "metal", "cpu", "reference"] = Field(
+        "auto", description="paged attention: Metal kernels (Apple GPUs), the C kernel (x86-64 CPUs with "
+                    "AVX-512), the MLX reference path, or auto (the first that runs here)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding config as JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}'")

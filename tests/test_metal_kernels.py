@@ -181,13 +181,20 @@ def test_emulated_reshape_and_cache_matches_engine_write(bs: int) -> None:
 
 
 def test_backend_selection_here() -> None:
+    from engine.cpu_attention import cpu_paged_attention, unsupported_reason
+
     fn, label = select_attention("auto")
-    assert (fn is paged_attention_reference) == NO_METAL
+    if not NO_METAL:
+        assert label.startswith("metal")
+    elif unsupported_reason() is None:  # x86-64 Linux with AVX-512F: the C kernel
+        assert fn is cpu_paged_attention and label.startswith("cpu")
+    else:
+        assert fn is paged_attention_reference and unsupported_reason() in label
     assert select_attention("reference")[0] is paged_attention_reference
     if NO_METAL:
         with pytest.raises(ValueError, match="needs an Apple GPU"):
             select_attention("metal")
-    with pytest.raises(ValueError, match="auto, metal or reference"):
+    with pytest.raises(ValueError, match="auto, metal, cpu or reference"):
         select_attention("cuda")  # type: ignore[arg-type]
 
 

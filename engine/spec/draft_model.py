@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.attention import PagedKVCache
+import mlx.core as mx
+
+from engine.attention import PagedKVCache, cpu_attention_fits, paged_attention_reference
+from engine.cpu_attention import cpu_paged_attention
 from engine.kv.block_manager import KVCacheManager
 from engine.models import adapter
 from engine.models.loader import LoadedModel
@@ -51,12 +55,17 @@ class DraftModelProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
     filters_drafts = False
 
-    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int,
+                 attention_fn: Callable[..., mx.array] = paged_attention_reference) -> None:
+        """`attention_fn`: the target's attention backend; the draft runs the reference path instead
+        where the C kernel cannot read its cache (another dtype)."""
         model = draft.model
         n_kv, head_dim = adapter.kv_shape(model)
         self.kv_cache = PagedKVCache(len(model.layers), num_blocks, block_size, n_kv, head_dim, draft.dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.kv_cache)
+        if attention_fn is cpu_paged_attention and cpu_attention_fits(self.kv_cache) is not None:
+            attention_fn = paged_attention_reference
+        self.runner = ModelRunner(model, self.kv_cache, attention_fn)
         self._state: dict[str, _State] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first
         self.num_evictions = 0

@@ -47,7 +47,9 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
         from engine.spec.draft_model import DraftModelProposer
 
         assert draft is not None
-        return DraftModelProposer(draft, num_blocks, block_size)
+        if runner is None:
+            return DraftModelProposer(draft, num_blocks, block_size)
+        return DraftModelProposer(draft, num_blocks, block_size, runner.caches[0].attention_fn)
     if isinstance(spec, MTPConfig):
         from engine.models.mtp_assistant import load_assistant
         from engine.spec.mtp import MTPProposer

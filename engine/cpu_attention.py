@@ -1,0 +1,98 @@
+"""Paged attention in C on x86-64 CPUs (engine/cpu_attention.c), the CPU's default attention backend.
+
+Why: on MLX's CPU backend the reference path (`engine/attention.py`: block gather, scores, mask,
+softmax, weighted sum as separate ops, each a pass over memory) cost as much as a SmolLM2 step's weight
+matmuls, and grew with every query row: one request at ~200 keys, 30 layers, 1 token 38 ms and 16
+tokens 59 ms of attention. The C function reads keys and values straight from the head-major cache
+through the block tables, one (token, KV head) per task over the cores.
+
+It runs between MLX graphs: each layer's call evaluates the layer's queries and the cache (whose new
+rows MLX's scatter has just written), reads both through zero-copy views and hands back the output as
+a new array. Each (token, head) output is computed the same way whatever else is in the step, so
+verification rows get bitwise the attention of one-token decoding. Used where MLX runs on the CPU of an
+x86-64 Linux machine with AVX-512F and the cache is float32 head-major; elsewhere, or with
+`SPECSERVE_CPU_ATTENTION=0`, the reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention import AttentionMetadata
+from engine.cbuild import X86_FLAGS, build_library, cpu_has, x86_linux_reason
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+_MAX_GROUP = 16  # query heads per KV head (MAX_G in the C file)
+
+
+def unsupported_reason() -> str | None:
+    """Why the C attention cannot run here (None: it can). The cache layout is checked by the engine."""
+    if os.environ.get("SPECSERVE_CPU_ATTENTION", "auto").strip().lower() in ("0", "off", "false", "no"):
+        return "SPECSERVE_CPU_ATTENTION=0"
+    why = x86_linux_reason()
+    if why:
+        return why
+    if not cpu_has("avx512f"):
+        return "the CPU lacks AVX-512F"
+    if mx.metal.is_available() or mx.default_device() != mx.cpu:
+        return "MLX runs on a GPU"
+    try:
+        _lib()
+    except (RuntimeError, OSError) as e:
+        return f"could not build engine/cpu_attention.c: {e}"
+    return None
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_attention", X86_FLAGS)))
+    fn = lib.cpu_paged_attention
+    fn.restype = ctypes.c_int
+    i, p = ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [i, i, i, i, p, p, p, ctypes.c_long, p, p, p, i, i, ctypes.c_float, i, p]
+    return lib
+
+
+def _view(a: mx.array) -> np.ndarray:
+    """A zero-copy view of an evaluated, row-contiguous float32 MLX array."""
+    v = np.asarray(memoryview(a))
+    if not v.flags.c_contiguous:
+        raise ValueError("cpu_paged_attention needs row-contiguous arrays")
+    return v
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def cpu_paged_attention(
+    q: mx.array,  # [T, H, D]
+    k_cache: mx.array,  # head-major [Hkv, slots, D], the step's new rows already written
+    v_cache: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> mx.array:  # [T, H, D]
+    """Same contract as `paged_attention_reference` on a float32 head-major cache."""
+    t, h, d = q.shape
+    hkv, slots, _ = k_cache.shape
+    if d % 16 or h % hkv or h // hkv > _MAX_GROUP or q.dtype != mx.float32 or k_cache.dtype != mx.float32:
+        raise ValueError(f"cpu_paged_attention: unsupported shapes/dtypes q {q.shape} {q.dtype}, "
+                         f"cache {k_cache.shape} {k_cache.dtype}")
+    q = mx.contiguous(q)
+    mx.eval(q, k_cache, v_cache)
+    host = meta.host()
+    out = np.empty((t, h, d), dtype=np.float32)
+    rc = _lib().cpu_paged_attention(
+        t, h, hkv, d, _ptr(_view(q)), _ptr(_view(k_cache)), _ptr(_view(v_cache)), slots,
+        _ptr(host.positions), _ptr(host.token_table), _ptr(host.tables), host.block_size, window or 0,
+        scale, host.max_context, _ptr(out))
+    if rc != 0:
+        raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
+    return mx.array(out)
