@@ -29,7 +29,7 @@ class BlasInfo:
     name: str  # "mkl", "openblas", "reference", "accelerate", "custom"
     path: str | None
     reason: str
-    # The small-M GEMM in front of the BLAS (engine/small_gemm.py): "rows 1-16", or why it is off.
+    # The small-M GEMM in front of the BLAS (engine/small_gemm.py): "rows 1-256", or why it is off.
     small_gemm: str = "off"
 
 

@@ -143,7 +143,7 @@ static int usable_cpus(void) {
 // pool would keep spinning workers on the cores the GEMM needs (measured: 5-token steps 40% slower).
 int cpu_paged_attention(int T, int H, int Hkv, int D, const float *q, const float *kc, const float *vc, long S,
                         const int32_t *pos, const int32_t *tok_table, const int32_t *tables, int bs, int window,
-                        float scale, int max_ctx, float *out) {
+                        float scale, int max_ctx, int max_threads, float *out) {
     Job jb = {T, H, Hkv, D, bs, window, max_ctx, q, kc, vc, S, pos, tok_table, tables,
               scale * 1.4426950408889634f, out, 0, 0};
     double work = 0;
@@ -151,6 +151,7 @@ int cpu_paged_attention(int T, int H, int Hkv, int D, const float *q, const floa
     work *= (double)H * D;
     enum { MAX_THREADS = 64 };
     int nth = work > 1e7 ? usable_cpus() : 1;
+    if (nth > max_threads) nth = max_threads < 1 ? 1 : max_threads;
     if (nth > MAX_THREADS) nth = MAX_THREADS;
     if (nth > (long)T * Hkv) nth = (int)((long)T * Hkv);
     pthread_t tids[MAX_THREADS];

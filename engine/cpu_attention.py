@@ -29,6 +29,7 @@ from engine.cbuild import X86_FLAGS, build_library, cpu_has, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 _MAX_GROUP = 16  # query heads per KV head (MAX_G in the C file)
+MAX_THREADS = 64  # threads for a step with ~1 ms of attention work or more (the C code caps at the CPUs)
 
 
 def unsupported_reason() -> str | None:
@@ -55,7 +56,7 @@ def _lib() -> ctypes.CDLL:
     fn = lib.cpu_paged_attention
     fn.restype = ctypes.c_int
     i, p = ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [i, i, i, i, p, p, p, ctypes.c_long, p, p, p, i, i, ctypes.c_float, i, p]
+    fn.argtypes = [i, i, i, i, p, p, p, ctypes.c_long, p, p, p, i, i, ctypes.c_float, i, i, p]
     return lib
 
 
@@ -92,7 +93,7 @@ def cpu_paged_attention(
     rc = _lib().cpu_paged_attention(
         t, h, hkv, d, _ptr(_view(q)), _ptr(_view(k_cache)), _ptr(_view(v_cache)), slots,
         _ptr(host.positions), _ptr(host.token_table), _ptr(host.tables), host.block_size, window or 0,
-        scale, host.max_context, _ptr(out))
+        scale, host.max_context, MAX_THREADS, _ptr(out))
     if rc != 0:
         raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
     return mx.array(out)

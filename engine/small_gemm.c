@@ -3,7 +3,8 @@
 // Why: a decode step multiplies 1 row per request by every weight matrix, and draft verification
 // 1 + K rows. MKL switches from a weight-streaming GEMV path (M <= 3) to a packed GEMM path at M >= 4
 // that costs ~1.8x as much, so verifying 5 tokens cost far more than decoding 1. This kernel streams
-// each weight row once for all M <= max_m rows of activations.
+// each weight row once for all M <= max_m rows of activations (256: prefill chunks too, where it runs
+// at ~190 GFLOP/s on two cores against MKL's 100-145).
 //
 // Every output element is the same sequence of float operations whatever M, the blocking and the
 // thread split are: a row computed in a batch of 5 is bitwise the row computed alone. So a verified
@@ -16,16 +17,15 @@
 #include <stddef.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111 };
-enum { KERNEL_M = 8, MAX_M = 32, TILE_N = 64 };
-// Above KERNEL_M rows, weight-layout (NT) products run chunks of WIDE_M_MAX rows at most against
-// WIDE_R weight rows at a time: 24 accumulators for 4 + 6 loads per k step, where one chunk of 8 rows
-// against one weight row loaded 9 times for 8 FMAs. The block of WIDE_R weight rows (9 KiB at K = 576)
-// comes from memory for the first chunk and from L1 for the others, so the weights stream once.
+enum { KERNEL_M = 8, MAX_M = 256, TILE_N = 64 };
+// Weight-layout (NT) products run chunks of at most WIDE_M_MAX rows against WIDE_R weight rows at a
+// time: up to 24 accumulators in registers, 4 + 6 loads per k step for 24 FMAs. The block of WIDE_R
+// weight rows (9 KiB at K = 576) comes from memory for the first chunk and from L1 for the others, so
+// the weights stream once whatever M. (One 576 x 1536 product, weights streamed, 2 threads: 16 rows
+// 0.19 ms, 32 rows 0.34 ms, ~160 GFLOP/s, where 8-row chunks of one weight row each took 0.58 / 0.77.)
 enum { WIDE_R = 4, WIDE_M_MAX = 6 };
-// With 2+ rows each weight cache line carries enough FMAs that the core stops running ahead of its
-// loads: memory and arithmetic time added up (5 rows: 1.55x the 1-row time). An explicit prefetch
-// 16 KiB ahead into the outer caches overlaps them (5 rows: 1.15x). One row is purely streaming and
-// the hardware prefetcher already keeps up; adding it there cost ~2%.
+// An explicit prefetch 16 KiB ahead along the weights into the outer caches overlaps memory and
+// arithmetic (without it they added up: 5 rows cost 1.55x the 1-row time, with it 1.15x).
 enum { PREFETCH_BYTES = 16384 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
@@ -100,18 +100,10 @@ static inline __attribute__((always_inline)) void nn_block(const int M, const in
     }
 }
 
-// Register blocking per M (32 zmm registers): more rows / strips for small M.
-#define NT_R(M) ((M) <= 1 ? 8 : (M) <= 2 ? 4 : (M) <= 3 ? 3 : (M) <= 6 ? 2 : 1)
+// Register blocking per M (32 zmm registers): more strips for small M.
 #define NN_S(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
 
-#define DEFINE(M)                                                                                       \
-    static void nt##M(int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,       \
-                      float alpha, float beta, int j0, int j1) {                                        \
-        int j = j0;                                                                                     \
-        for (; j + NT_R(M) <= j1; j += NT_R(M)) nt_block(M, NT_R(M), K, A, lda, B, ldb, C, ldc, alpha,  \
-                                                         beta, j);                                      \
-        for (; j < j1; j++) nt_block(M, 1, K, A, lda, B, ldb, C, ldc, alpha, beta, j);                  \
-    }                                                                                                   \
+#define DEFINE_NN(M)                                                                                    \
     static void nn##M(int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,       \
                       float alpha, float beta, int j0, int j1) {                                        \
         int j = j0;                                                                                     \
@@ -123,16 +115,18 @@ static inline __attribute__((always_inline)) void nn_block(const int M, const in
                      rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1));                     \
         }                                                                                               \
     }
-DEFINE(1) DEFINE(2) DEFINE(3) DEFINE(4) DEFINE(5) DEFINE(6) DEFINE(7) DEFINE(8)
+DEFINE_NN(1) DEFINE_NN(2) DEFINE_NN(3) DEFINE_NN(4) DEFINE_NN(5) DEFINE_NN(6) DEFINE_NN(7) DEFINE_NN(8)
+static const kern_fn NN[KERNEL_M + 1] = {0, nn1, nn2, nn3, nn4, nn5, nn6, nn7, nn8};
 
-static const kern_fn NT[KERNEL_M + 1] = {0, nt1, nt2, nt3, nt4, nt5, nt6, nt7, nt8};
-
-// M rows (4 <= M <= WIDE_M_MAX) against weight rows j0..j1-1, WIDE_R at a time. The same arithmetic
-// per output element as nt_block, written with named accumulators: with nt_block's acc[4][6] array GCC
-// kept part of it on the stack and stored it back on every k step (3x slower).
+// M rows (M <= WIDE_M_MAX) against weight rows j0..j1-1, WIDE_R at a time (the last few through
+// nt_block: the same arithmetic per output element). Named accumulators, and every A and weight vector
+// loaded once into a register: with an acc[4][6] array GCC kept part of it on the stack and stored it
+// back on every k step (3x slower), and it folded loads into the FMAs using them, loading each vector
+// up to 4 times (28 loads for 24 FMAs: 2x slower).
 #define W_ROW(i, k, LOAD)                                                                               \
     if ((i) < M) {                                                                                      \
-        const __m512 a = LOAD(A + (size_t)(i) * lda + (k));                                            \
+        __m512 a = LOAD(A + (size_t)(i) * lda + (k));                                                  \
+        __asm__("" : "+v"(a)); /* one load into a register, not one folded into each of the 4 FMAs */ \
         c0##i = _mm512_fmadd_ps(a, b0, c0##i);                                                          \
         c1##i = _mm512_fmadd_ps(a, b1, c1##i);                                                          \
         c2##i = _mm512_fmadd_ps(a, b2, c2##i);                                                          \
@@ -140,7 +134,8 @@ static const kern_fn NT[KERNEL_M + 1] = {0, nt1, nt2, nt3, nt4, nt5, nt6, nt7, n
     }
 #define W_STEP(k, LOAD)                                                                                 \
     {                                                                                                   \
-        const __m512 b0 = LOAD(b0p + (k)), b1 = LOAD(b1p + (k)), b2 = LOAD(b2p + (k)), b3 = LOAD(b3p + (k)); \
+        __m512 b0 = LOAD(b0p + (k)), b1 = LOAD(b1p + (k)), b2 = LOAD(b2p + (k)), b3 = LOAD(b3p + (k));   \
+        __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2), "+v"(b3)); /* loaded once, like each row of A */     \
         W_ROW(0, k, LOAD) W_ROW(1, k, LOAD) W_ROW(2, k, LOAD) W_ROW(3, k, LOAD) W_ROW(4, k, LOAD)      \
         W_ROW(5, k, LOAD)                                                                               \
     }
@@ -176,9 +171,8 @@ static const kern_fn NT[KERNEL_M + 1] = {0, nt1, nt2, nt3, nt4, nt5, nt6, nt7, n
         }                                                                                               \
         for (; j < j1; j++) nt_block(M, 1, K, A, lda, B, ldb, C, ldc, alpha, beta, j);                  \
     }
-DEFINE_WIDE(4) DEFINE_WIDE(5) DEFINE_WIDE(6)
-static const kern_fn NTW[WIDE_M_MAX + 1] = {0, 0, 0, 0, ntw4, ntw5, ntw6};
-static const kern_fn NN[KERNEL_M + 1] = {0, nn1, nn2, nn3, nn4, nn5, nn6, nn7, nn8};
+DEFINE_WIDE(1) DEFINE_WIDE(2) DEFINE_WIDE(3) DEFINE_WIDE(4) DEFINE_WIDE(5) DEFINE_WIDE(6)
+static const kern_fn NTW[WIDE_M_MAX + 1] = {0, ntw1, ntw2, ntw3, ntw4, ntw5, ntw6};
 
 // Returns the largest M this library handles (0: the CPU lacks AVX-512F, every call is forwarded).
 int small_gemm_init(void *blas_sgemm, int want_max_m) {
@@ -189,17 +183,13 @@ int small_gemm_init(void *blas_sgemm, int want_max_m) {
     return max_m;
 }
 
-// Rows beyond one register-blocked kernel (M > KERNEL_M) run as balanced chunks of <= KERNEL_M rows
-// over each tile of TILE_N output columns in turn, so the later chunks read the tile's weights from
-// the core's own cache instead of memory. Per element the arithmetic is unchanged.
+// NT: balanced chunks of <= WIDE_M_MAX rows per block of WIDE_R weight rows. NN (M > KERNEL_M): chunks
+// of <= KERNEL_M rows over each tile of TILE_N output columns in turn, so the later chunks read the
+// tile from the core's own cache. Per element the arithmetic is unchanged.
 static void run_rows(int tb, int M, int N0, int N1, int K, const float *A, int lda, const float *B,
                      int ldb, float *C, int ldc, float alpha, float beta) {
-    if (M <= KERNEL_M) {
-        (tb == NO_TRANS ? NN[M] : NT[M])(K, A, lda, B, ldb, C, ldc, alpha, beta, N0, N1);
-        return;
-    }
     if (tb != NO_TRANS) {
-        const int chunks = (M + WIDE_M_MAX - 1) / WIDE_M_MAX;  // M > 8: chunks of 4-6 rows
+        const int chunks = (M + WIDE_M_MAX - 1) / WIDE_M_MAX;
         for (int j = N0; j < N1; j += WIDE_R) {
             const int j1 = j + WIDE_R < N1 ? j + WIDE_R : N1;
             for (int c = 0, r0 = 0; c < chunks; c++) {
@@ -210,13 +200,16 @@ static void run_rows(int tb, int M, int N0, int N1, int K, const float *A, int l
         }
         return;
     }
+    if (M <= KERNEL_M) {
+        NN[M](K, A, lda, B, ldb, C, ldc, alpha, beta, N0, N1);
+        return;
+    }
     const int chunks = (M + KERNEL_M - 1) / KERNEL_M;
     for (int j = N0; j < N1; j += TILE_N) {
         const int j1 = j + TILE_N < N1 ? j + TILE_N : N1;
         for (int c = 0, r0 = 0; c < chunks; c++) {
             const int rows = (M - r0) / (chunks - c);
-            (tb == NO_TRANS ? NN[rows] : NT[rows])(K, A + (size_t)r0 * lda, lda, B, ldb, C + (size_t)r0 * ldc,
-                                                  ldc, alpha, beta, j, j1);
+            NN[rows](K, A + (size_t)r0 * lda, lda, B, ldb, C + (size_t)r0 * ldc, ldc, alpha, beta, j, j1);
             r0 += rows;
         }
     }

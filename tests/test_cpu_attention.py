@@ -53,6 +53,23 @@ def test_each_row_is_bitwise_what_it_gets_alone() -> None:
 
 
 @needs_kernel
+def test_long_chunks_split_over_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with over ~1 ms of attention (a long prefill chunk) is shared between threads: the output
+    is the dense reference's, and bitwise the one-thread output."""
+    import engine.cpu_attention as ca
+
+    q, kb, vb, meta, chunks = _scenario(5, 16, 64, [(600, 64), (30, 1), (200, 5)], num_heads=9,
+                                        num_kv_heads=3)
+    host = meta.host()
+    assert sum(host.positions + 1) * 9 * 64 > 1e7  # past the C code's threading threshold
+    kh, vh = _head_major(kb), _head_major(vb)
+    threaded = np.array(cpu_paged_attention(q, kh, vh, meta, 0.125))
+    np.testing.assert_allclose(threaded, _dense_reference(q, kb, vb, chunks, 0.125), rtol=2e-5, atol=2e-6)
+    monkeypatch.setattr(ca, "MAX_THREADS", 1)
+    assert np.array_equal(np.array(cpu_paged_attention(q, kh, vh, meta, 0.125)), threaded)
+
+
+@needs_kernel
 def test_engine_step_matches_the_reference_backend() -> None:
     """The engine's own cache writes and metadata through both backends: one forward of a mixed step
     gives the same hidden states to float32 rounding."""

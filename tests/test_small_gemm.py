@@ -19,7 +19,7 @@ def _rand(shape: tuple[int, ...], seed: int) -> mx.array:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 20, 25, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 20, 25, 32, 100, 256])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (17, 15), (64, 16), (100, 33), (1536, 576), (576, 1536)])
 def test_matches_float64_reference(m: int, n: int, k: int) -> None:
     a, w, b = _rand((m, k), 1), _rand((n, k), 2), _rand((k, n), 3)
@@ -43,7 +43,7 @@ def test_alpha_beta_and_strided_operands() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [2, 5, 8, 11, 16, 21, 32])
+@pytest.mark.parametrize("m", [2, 5, 8, 11, 16, 21, 32, 130])
 def test_rows_are_bitwise_batch_invariant(m: int) -> None:
     a, w, b = _rand((m, 576), 8), _rand((1536, 576), 9), _rand((576, 208), 10)
     for full, one in ((a @ w.T, lambda i: a[i : i + 1] @ w.T), (a @ b, lambda i: a[i : i + 1] @ b)):

@@ -1,9 +1,13 @@
-"""KV cache layout A/B through the real engine: `python -m tools.bench_kv_layout`.
+"""KV layout or attention backend A/B through the real engine: `python -m tools.bench_kv_layout
+[--compare layout|attention]`.
 
-Block-major (`[slots, Hkv, D]`, what the Metal kernels read) against head-major (`[Hkv, slots, D]`, the
-CPU default) on the same model object, greedy with `ignore_eos` so both do identical work, at each
-concurrency level, layouts alternating which goes first per repeat. Prints a table (tok/s per layout and
-the ratio head / block) and writes JSON; fails if the two layouts' token ids differ.
+`layout`: block-major (`[slots, Hkv, D]`, what the Metal kernels read) against head-major (`[Hkv, slots,
+D]`, the CPU default), both on the MLX reference attention's gather; `attention`: the reference attention
+(MLX ops) against the C kernel (engine/cpu_attention.c), both head-major. Same model object, greedy with
+`ignore_eos` so both variants do identical work, at each concurrency level, variants alternating which
+goes first per repeat. Prints tok/s per variant and the ratio second / first, and writes JSON. Fails if
+the layouts' token ids differ (the same arithmetic); the two attention backends round their exponentials
+differently, so there their agreement is only reported.
 """
 
 from __future__ import annotations
@@ -25,14 +29,17 @@ from engine.sampling import SamplingParams
 from tools.bench_engine import PROMPTS
 from tools.bench_spec import COPY_PROMPTS
 
-LAYOUTS = ("block", "head")
+# Per comparison: (variant names, KV layout of each, attention backend of each).
+COMPARISONS = {"layout": (("block", "head"), ("block", "head"), ("reference", "reference")),
+               "attention": (("reference", "cpu"), ("head", "head"), ("reference", "cpu"))}
 
 
-def run(loaded: Any, layout: str, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+def run(loaded: Any, layout: str, attention: str, prompts: list[str], max_tokens: int
+        ) -> tuple[float, list[list[int]]]:
     os.environ["SPECSERVE_KV_LAYOUT"] = layout  # read when the engine builds its cache
     try:
         llm = LLM(loaded=loaded, kv_cache_memory="1GiB", max_model_len=2048, show_progress=False,
-                  max_num_seqs=max(len(prompts), 1))
+                  max_num_seqs=max(len(prompts), 1), attention_backend=attention)
     finally:
         os.environ.pop("SPECSERVE_KV_LAYOUT", None)
     assert llm.core.kv_cache.head_major == (layout == "head")
@@ -46,39 +53,44 @@ def run(loaded: Any, layout: str, prompts: list[str], max_tokens: int) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), default="layout")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output-json", default="results/bench_kv_layout.json")
     args = ap.parse_args(argv)
     loaded = load_model(None, dtype="float32", progress=False)
+    names, layouts, backends = COMPARISONS[args.compare]
+    first, second = names
     pool = PROMPTS + COPY_PROMPTS
     rows: list[dict[str, Any]] = []
     identical = True
     for c in [int(x) for x in args.concurrency.split(",")]:
         prompts = [pool[i % len(pool)] for i in range(c)]
-        secs: dict[str, list[float]] = {lay: [] for lay in LAYOUTS}
+        secs: dict[str, list[float]] = {v: [] for v in names}
         ids: dict[str, list[list[int]]] = {}
         for r in range(args.repeats):
-            for lay in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
-                s, toks = run(loaded, lay, prompts, args.max_tokens)
-                secs[lay].append(s)
-                identical &= ids.setdefault(lay, toks) == toks
-        identical &= ids["block"] == ids["head"]
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                s, toks = run(loaded, layouts[i], backends[i], prompts, args.max_tokens)
+                secs[names[i]].append(s)
+                identical &= ids.setdefault(names[i], toks) == toks
+        identical &= ids[first] == ids[second]
         n = c * args.max_tokens
-        tps = {lay: n / statistics.median(v) for lay, v in secs.items()}
+        tps = {v: n / statistics.median(t) for v, t in secs.items()}
         rows.append({"concurrency": c, "tokens": n, "seconds": secs, "tok_s": tps,
-                     "head_vs_block": tps["head"] / tps["block"]})
-        print(f"c={c:3d}: block {tps['block']:6.1f} tok/s  head {tps['head']:6.1f} tok/s  "
-              f"head/block {tps['head'] / tps['block']:.2f}", flush=True)
-    out = {"benchmark": "kv_layout", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                     f"{second}_vs_{first}": tps[second] / tps[first]})
+        print(f"c={c:3d}: {first} {tps[first]:6.1f} tok/s  {second} {tps[second]:6.1f} tok/s  "
+              f"{second}/{first} {tps[second] / tps[first]:.2f}", flush=True)
+    out = {"benchmark": f"kv_{args.compare}" if args.compare == "layout" else "attention_backend",
+           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
            "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
+           "variants": dict(zip(names, zip(layouts, backends, strict=True), strict=True)),
            "max_tokens": args.max_tokens, "repeats": args.repeats, "identical_token_ids": identical,
            "rows": rows}
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"token ids identical across layouts: {identical}; wrote {args.output_json}")
-    return 0 if identical else 1
+    print(f"token ids identical across {args.compare} variants: {identical}; wrote {args.output_json}")
+    return 0 if identical or args.compare == "attention" else 1
 
 
 if __name__ == "__main__":

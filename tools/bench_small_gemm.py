@@ -24,8 +24,9 @@ from typing import Any
 import engine  # noqa: F401  (chooses the BLAS and the kernel before mlx is imported)
 
 # (requests, tokens each): one request decoding or verifying T-1 drafts; batches of decoding requests;
-# batches where every request verifies drafts (12 and 16 rows: the kernel's two-pass range).
-SHAPES = [(1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (4, 1), (8, 1), (4, 3), (8, 2)]
+# batches where every request verifies drafts (12, 16 and 24 rows: the kernel's chunked range; 40 rows are
+# MKL's in both variants).
+SHAPES = [(1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (4, 1), (8, 1), (4, 3), (8, 2), (8, 3), (8, 5)]
 
 
 def label(requests: int, tokens: int) -> str:
@@ -46,7 +47,7 @@ def measure(iters: int) -> dict[str, Any]:
               max_model_len=2048, show_progress=False)
     runner = llm.core.runner
     ctx, blocks = 200, 16
-    toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 8)]
+    toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 16)]
     tables = [list(range(1 + r * blocks, 1 + (r + 1) * blocks)) for r in range(8)]
     for table in tables:
         mx.eval(runner.forward_chunks([(toks[:ctx], 0, table, 1)]))
