@@ -34,62 +34,134 @@ static inline __m512 exp2_neg(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), r);
 }
 
+// 16 vectors -> one vector: lane i holds the sum of the lanes of a[P(i)], P = {0, 4, 8, 12, 1, 5, ...}
+// (a 4 x 4 transpose, its own inverse). A fixed tree: 15 adds and 30 shuffles where 16 separate
+// horizontal sums took ~8 instructions each.
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+static const int REDUCE16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+static inline const float *slot_row(const float *cache, const int32_t *table, int bs, int D, int p) {
+    return cache + ((size_t)table[p / bs] * bs + p % bs) * D;
+}
+
+// Softmax of one head's n scores in place (already scaled by log2 e); returns 1 / sum.
+static inline float softmax2(float *sg, int n) {
+    float m = sg[0];
+    for (int j = 1; j < n; j++) m = sg[j] > m ? sg[j] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv));
+        _mm512_storeu_ps(sg + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (j < n) {
+        const __mmask16 t = (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(t, exp2_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, sg + j), mv)));
+        _mm512_mask_storeu_ps(sg + j, t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
 // One (token, KV head): its G query heads against keys lo..hi-1 (positions), read through the table.
-// q: [G, D] rows of this KV head's query heads; out: [G, D]. D % 16 == 0, G <= MAX_G.
-enum { MAX_G = 16 };
+// q: [G, D] rows of this KV head's query heads; out: [G, D]; s: scratch for G * (hi - lo) scores.
+// NV = D / 16 vectors per row, a compile-time constant so that a query row and a head's output stay
+// in registers: per head, scores 16 keys at a time (reduce16), then the values weighted in key order.
+#define DEFINE_ATTEND(NV)                                                                               \
+    static void attend_nv##NV(int G, const float *q, const float *kc, const float *vc,                  \
+                              const int32_t *table, int bs, int lo, int hi, float scale_log2e, float *s, \
+                              float *out) {                                                             \
+        enum { D = 16 * NV };                                                                           \
+        const int n = hi - lo;                                                                          \
+        for (int g = 0; g < G; g++) {                                                                   \
+            __m512 qv[NV], acc[16];                                                                     \
+            for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + (size_t)g * D + 16 * v);          \
+            float *sg = s + (size_t)g * n;                                                              \
+            for (int j0 = 0; j0 < n; j0 += 16) {                                                        \
+                const int cnt = n - j0 < 16 ? n - j0 : 16;                                              \
+                for (int jj = 0; jj < 16; jj++) {                                                       \
+                    __m512 a = _mm512_setzero_ps();                                                     \
+                    if (jj < cnt) {                                                                     \
+                        const float *k = slot_row(kc, table, bs, D, lo + j0 + jj);                      \
+                        a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                   \
+                        for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a); \
+                    }                                                                                   \
+                    acc[REDUCE16_SLOT[jj]] = a;                                                         \
+                }                                                                                       \
+                const __m512 sc = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale_log2e));           \
+                _mm512_mask_storeu_ps(sg + j0, (__mmask16)((1u << cnt) - 1), sc);                       \
+            }                                                                                           \
+            const float inv = softmax2(sg, n);                                                          \
+            __m512 o[NV];                                                                               \
+            for (int v = 0; v < NV; v++) o[v] = _mm512_setzero_ps();                                    \
+            for (int j = 0; j < n; j++) {                                                               \
+                const float *vr = slot_row(vc, table, bs, D, lo + j);                                   \
+                const __m512 w = _mm512_set1_ps(sg[j]);                                                 \
+                for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * v), o[v]); \
+            }                                                                                           \
+            const __m512 iv = _mm512_set1_ps(inv);                                                      \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + (size_t)g * D + 16 * v, _mm512_mul_ps(o[v], iv)); \
+        }                                                                                               \
+    }
+DEFINE_ATTEND(2) DEFINE_ATTEND(4) DEFINE_ATTEND(8)
+
+// Any D % 16 == 0: the same steps with rows in memory.
+static void attend_any(int G, int D, const float *q, const float *kc, const float *vc, const int32_t *table,
+                       int bs, int lo, int hi, float scale_log2e, float *s, float *out) {
+    const int n = hi - lo, nv = D / 16;
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * D;
+        float *sg = s + (size_t)g * n;
+        __m512 acc[16];
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            const int cnt = n - j0 < 16 ? n - j0 : 16;
+            for (int jj = 0; jj < 16; jj++) {
+                __m512 a = _mm512_setzero_ps();
+                if (jj < cnt) {
+                    const float *k = slot_row(kc, table, bs, D, lo + j0 + jj);
+                    a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+                    for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
+                }
+                acc[REDUCE16_SLOT[jj]] = a;
+            }
+            _mm512_mask_storeu_ps(sg + j0, (__mmask16)((1u << cnt) - 1),
+                                  _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale_log2e)));
+        }
+        const float inv = softmax2(sg, n);
+        float *o = out + (size_t)g * D;
+        memset(o, 0, sizeof(float) * D);
+        for (int j = 0; j < n; j++) {
+            const float *vr = slot_row(vc, table, bs, D, lo + j);
+            const __m512 w = _mm512_set1_ps(sg[j]);
+            for (int v = 0; v < nv; v++)
+                _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * v), _mm512_loadu_ps(o + 16 * v)));
+        }
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), iv));
+    }
+}
+
 static void attend_one(int G, int D, const float *q, const float *kc, const float *vc, const int32_t *table,
                        int bs, int lo, int hi, float scale_log2e, float *s, float *out) {
-    const int n = hi - lo;
-    const int nv = D / 16;
-    // Scores, pre-scaled by log2(e) so the softmax's exponential is 2^x: s[g * n + j].
-    for (int j = 0; j < n; j++) {
-        const int p = lo + j;
-        const float *k = kc + ((size_t)table[p / bs] * bs + p % bs) * D;
-        for (int g = 0; g < G; g++) {
-            const float *qg = q + (size_t)g * D;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
-            for (int v = 1; v < nv; v++)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), _mm512_loadu_ps(k + 16 * v), acc);
-            s[(size_t)g * n + j] = _mm512_reduce_add_ps(acc) * scale_log2e;
-        }
-    }
-    float inv[MAX_G];
-    for (int g = 0; g < G; g++) {
-        float *sg = s + (size_t)g * n;
-        float m = sg[0];
-        for (int j = 1; j < n; j++) m = sg[j] > m ? sg[j] : m;
-        const __m512 mv = _mm512_set1_ps(m);
-        __m512 sum = _mm512_setzero_ps();
-        int j = 0;
-        for (; j + 16 <= n; j += 16) {
-            const __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv));
-            _mm512_storeu_ps(sg + j, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        if (j < n) {
-            const __mmask16 t = (__mmask16)((1u << (n - j)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(t, exp2_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, sg + j), mv)));
-            _mm512_mask_storeu_ps(sg + j, t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-    // Weighted sum of values, keys in position order.
-    memset(out, 0, sizeof(float) * (size_t)G * D);
-    for (int j = 0; j < n; j++) {
-        const int p = lo + j;
-        const float *v = vc + ((size_t)table[p / bs] * bs + p % bs) * D;
-        for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(s[(size_t)g * n + j]);
-            float *o = out + (size_t)g * D;
-            for (int c = 0; c < nv; c++)
-                _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), _mm512_loadu_ps(o + 16 * c)));
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        const __m512 iv = _mm512_set1_ps(inv[g]);
-        float *o = out + (size_t)g * D;
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), iv));
+    switch (D) {
+    case 32: attend_nv2(G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
+    case 64: attend_nv4(G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
+    case 128: attend_nv8(G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
+    default: attend_any(G, D, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out);
     }
 }
 
