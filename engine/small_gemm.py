@@ -6,7 +6,8 @@ MKL's GEMM path costs ~1.8x its GEMV path from 4 rows on; the kernel here stream
 any number of rows up to 256 (prefill chunks included: ~190 GFLOP/s on two cores, MKL 100-145 there),
 and gives each row bitwise the result it would have alone (see the C file). It is compiled once per
 source version with the system C compiler (`cc`, AVX-512F, OpenMP) into the model cache folder, and
-must be loaded before libmlx binds `cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=0` turns it off.
+must be loaded before libmlx binds `cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=0`
+turns it off.
 """
 
 from __future__ import annotations
