@@ -188,28 +188,19 @@ int small_gemm_init(void *blas_sgemm, int want_max_m) {
 // tile from the core's own cache. Per element the arithmetic is unchanged.
 static void run_rows(int tb, int M, int N0, int N1, int K, const float *A, int lda, const float *B,
                      int ldb, float *C, int ldc, float alpha, float beta) {
-    if (tb != NO_TRANS) {
-        const int chunks = (M + WIDE_M_MAX - 1) / WIDE_M_MAX;
-        for (int j = N0; j < N1; j += WIDE_R) {
-            const int j1 = j + WIDE_R < N1 ? j + WIDE_R : N1;
-            for (int c = 0, r0 = 0; c < chunks; c++) {
-                const int rows = (M - r0) / (chunks - c);
-                NTW[rows](K, A + (size_t)r0 * lda, lda, B, ldb, C + (size_t)r0 * ldc, ldc, alpha, beta, j, j1);
-                r0 += rows;
-            }
-        }
-        return;
-    }
-    if (M <= KERNEL_M) {
+    if (tb == NO_TRANS && M <= KERNEL_M) {
         NN[M](K, A, lda, B, ldb, C, ldc, alpha, beta, N0, N1);
         return;
     }
-    const int chunks = (M + KERNEL_M - 1) / KERNEL_M;
-    for (int j = N0; j < N1; j += TILE_N) {
-        const int j1 = j + TILE_N < N1 ? j + TILE_N : N1;
+    const int nt = tb != NO_TRANS;
+    const int most = nt ? WIDE_M_MAX : KERNEL_M, tile = nt ? WIDE_R : TILE_N;
+    const kern_fn *kernels = nt ? NTW : NN;
+    const int chunks = (M + most - 1) / most;
+    for (int j = N0; j < N1; j += tile) {
+        const int j1 = j + tile < N1 ? j + tile : N1;
         for (int c = 0, r0 = 0; c < chunks; c++) {
             const int rows = (M - r0) / (chunks - c);
-            NN[rows](K, A + (size_t)r0 * lda, lda, B, ldb, C + (size_t)r0 * ldc, ldc, alpha, beta, j, j1);
+            kernels[rows](K, A + (size_t)r0 * lda, lda, B, ldb, C + (size_t)r0 * ldc, ldc, alpha, beta, j, j1);
             r0 += rows;
         }
     }
