@@ -1,10 +1,10 @@
 """Paged attention in C on x86-64 CPUs (engine/cpu_attention.c), the CPU's default attention backend.
 
 Why: on MLX's CPU backend the reference path (`engine/attention.py`: block gather, scores, mask,
-softmax, weighted sum as separate ops, each a pass over memory) cost as much as a SmolLM2 step's weight
-matmuls, and grew with every query row: one request at ~200 keys, 30 layers, 1 token 38 ms and 16
-tokens 59 ms of attention. The C function reads keys and values straight from the head-major cache
-through the block tables, one (token, KV head) per task over the cores.
+softmax, weighted sum as separate ops, each a pass over memory) grew with every request and query row.
+The C function reads keys and values straight from the head-major cache through the block tables, one
+(token, KV head) per task. Engine throughput against the reference path (README, *Engine*): 1.05x for
+one request, 1.26x for 8.
 
 It runs between MLX graphs: each layer's call evaluates the layer's queries and the cache (whose new
 rows MLX's scatter has just written), reads both through zero-copy views and hands back the output as
