@@ -6,7 +6,7 @@
 // already in their slots (MLX's scatter) attends every (token, KV head) straight from the block table.
 //
 // Each (token, query head) output is the same sequence of float operations whatever else is in the
-// step: keys in position order, one fixed 16-lane dot product, one max, exponentials, one fixed sum.
+// step: keys in position order, fixed-order dot products and sums, one max, the same exponential.
 // So a token verified as a draft gets bitwise the attention output it would get decoded alone.
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -79,62 +79,24 @@ static inline float softmax2(float *sg, int n) {
 
 // One (token, KV head): its G query heads against keys lo..hi-1 (positions), read through the table.
 // q: [G, D] rows of this KV head's query heads; out: [G, D]; s: scratch for G * (hi - lo) scores.
-// NV = D / 16 vectors per row, a compile-time constant so that a query row and a head's output stay
-// in registers: per head, scores 16 keys at a time (reduce16), then the values weighted in key order.
-#define DEFINE_ATTEND(NV)                                                                               \
-    static void attend_nv##NV(int G, const float *q, const float *kc, const float *vc,                  \
-                              const int32_t *table, int bs, int lo, int hi, float scale_log2e, float *s, \
-                              float *out) {                                                             \
-        enum { D = 16 * NV };                                                                           \
-        const int n = hi - lo;                                                                          \
-        for (int g = 0; g < G; g++) {                                                                   \
-            __m512 qv[NV], acc[16];                                                                     \
-            for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + (size_t)g * D + 16 * v);          \
-            float *sg = s + (size_t)g * n;                                                              \
-            for (int j0 = 0; j0 < n; j0 += 16) {                                                        \
-                const int cnt = n - j0 < 16 ? n - j0 : 16;                                              \
-                for (int jj = 0; jj < 16; jj++) {                                                       \
-                    __m512 a = _mm512_setzero_ps();                                                     \
-                    if (jj < cnt) {                                                                     \
-                        const float *k = slot_row(kc, table, bs, D, lo + j0 + jj);                      \
-                        a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                   \
-                        for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a); \
-                    }                                                                                   \
-                    acc[REDUCE16_SLOT[jj]] = a;                                                         \
-                }                                                                                       \
-                const __m512 sc = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale_log2e));           \
-                _mm512_mask_storeu_ps(sg + j0, (__mmask16)((1u << cnt) - 1), sc);                       \
-            }                                                                                           \
-            const float inv = softmax2(sg, n);                                                          \
-            __m512 o[NV];                                                                               \
-            for (int v = 0; v < NV; v++) o[v] = _mm512_setzero_ps();                                    \
-            for (int j = 0; j < n; j++) {                                                               \
-                const float *vr = slot_row(vc, table, bs, D, lo + j);                                   \
-                const __m512 w = _mm512_set1_ps(sg[j]);                                                 \
-                for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * v), o[v]); \
-            }                                                                                           \
-            const __m512 iv = _mm512_set1_ps(inv);                                                      \
-            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + (size_t)g * D + 16 * v, _mm512_mul_ps(o[v], iv)); \
-        }                                                                                               \
-    }
-DEFINE_ATTEND(2) DEFINE_ATTEND(4) DEFINE_ATTEND(8)
-
-// Any D % 16 == 0: the same steps with rows in memory.
-static void attend_any(int G, int D, const float *q, const float *kc, const float *vc, const int32_t *table,
-                       int bs, int lo, int hi, float scale_log2e, float *s, float *out) {
-    const int n = hi - lo, nv = D / 16;
+// Per head: scores 16 keys at a time (reduce16), softmax, then the values weighted in key order.
+// NV = D / 16 vectors per row. Inlined with a constant NV the query row and the head's output stay in
+// registers; the arithmetic per output element is the same for every NV and call site.
+static inline __attribute__((always_inline)) void attend(const int NV, int G, const float *q, const float *kc,
+        const float *vc, const int32_t *table, int bs, int lo, int hi, float scale_log2e, float *s, float *out) {
+    const int D = 16 * NV, n = hi - lo;
     for (int g = 0; g < G; g++) {
-        const float *qg = q + (size_t)g * D;
+        __m512 qv[NV], acc[16], o[NV];
+        for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + (size_t)g * D + 16 * v);
         float *sg = s + (size_t)g * n;
-        __m512 acc[16];
         for (int j0 = 0; j0 < n; j0 += 16) {
             const int cnt = n - j0 < 16 ? n - j0 : 16;
             for (int jj = 0; jj < 16; jj++) {
                 __m512 a = _mm512_setzero_ps();
                 if (jj < cnt) {
                     const float *k = slot_row(kc, table, bs, D, lo + j0 + jj);
-                    a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
-                    for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
+                    a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a);
                 }
                 acc[REDUCE16_SLOT[jj]] = a;
             }
@@ -142,26 +104,24 @@ static void attend_any(int G, int D, const float *q, const float *kc, const floa
                                   _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale_log2e)));
         }
         const float inv = softmax2(sg, n);
-        float *o = out + (size_t)g * D;
-        memset(o, 0, sizeof(float) * D);
+        for (int v = 0; v < NV; v++) o[v] = _mm512_setzero_ps();
         for (int j = 0; j < n; j++) {
             const float *vr = slot_row(vc, table, bs, D, lo + j);
             const __m512 w = _mm512_set1_ps(sg[j]);
-            for (int v = 0; v < nv; v++)
-                _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * v), _mm512_loadu_ps(o + 16 * v)));
+            for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * v), o[v]);
         }
         const __m512 iv = _mm512_set1_ps(inv);
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), iv));
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + (size_t)g * D + 16 * v, _mm512_mul_ps(o[v], iv));
     }
 }
 
 static void attend_one(int G, int D, const float *q, const float *kc, const float *vc, const int32_t *table,
                        int bs, int lo, int hi, float scale_log2e, float *s, float *out) {
-    switch (D) {
-    case 32: attend_nv2(G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
-    case 64: attend_nv4(G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
-    case 128: attend_nv8(G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
-    default: attend_any(G, D, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out);
+    switch (D) {  // the common head sizes with a constant NV; any other multiple of 16 without
+    case 32: attend(2, G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
+    case 64: attend(4, G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
+    case 128: attend(8, G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out); break;
+    default: attend(D / 16, G, q, kc, vc, table, bs, lo, hi, scale_log2e, s, out);
     }
 }
 

@@ -41,36 +41,30 @@ static inline void store(float *c, float v, float alpha, float beta) {
     *c = beta == 0.0f ? v : v + beta * *c;
 }
 
-// B transposed (weights [N, K] row-major, the linear layers): C[i, j] = dot(A[i, :], B[j, :]).
-// R rows of B at a time give R * M independent FMA chains; each dot is 16-lane partial sums over k
-// in order, then one fixed horizontal reduction.
-static inline __attribute__((always_inline)) void nt_block(const int M, const int R, int K, const float *A,
-        int lda, const float *B, int ldb, float *C, int ldc, float alpha, float beta, int j) {
+// B transposed (weights [N, K] row-major, the linear layers): C[i, j] = dot(A[i, :], B[j, :]) for one
+// weight row j (the few rows a WIDE_R block leaves over); each dot is 16-lane partial sums over k in
+// order, then one fixed horizontal reduction: the arithmetic the wide kernel below repeats per element.
+static inline __attribute__((always_inline)) void nt_block(const int M, int K, const float *A, int lda,
+        const float *B, int ldb, float *C, int ldc, float alpha, float beta, int j) {
     const int kfull = K & ~15;
     const __mmask16 tail = (__mmask16)((1u << (K & 15)) - 1);
-    __m512 acc[R][M];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+    const float *bp = B + (size_t)j * ldb;
+    __m512 acc[M];
+    for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
     int k = 0;
-    for (; k < kfull; k += 16)
-        for (int r = 0; r < R; r++) {
-            // Weight rows are contiguous, so this runs a fixed distance ahead along the stream.
-            const float *bp = B + (size_t)(j + r) * ldb + k;
-            if (M >= 2) _mm_prefetch((const char *)bp + PREFETCH_BYTES, _MM_HINT_T2);
-            const __m512 b = _mm512_loadu_ps(bp);
-            for (int i = 0; i < M; i++)
-                acc[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(A + (size_t)i * lda + k), b, acc[r][i]);
-        }
-    if (tail)
-        for (int r = 0; r < R; r++) {
-            const __m512 b = _mm512_maskz_loadu_ps(tail, B + (size_t)(j + r) * ldb + k);
-            for (int i = 0; i < M; i++)
-                acc[r][i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, A + (size_t)i * lda + k), b,
-                                            acc[r][i]);
-        }
-    for (int r = 0; r < R; r++)
+    for (; k < kfull; k += 16) {
+        // Weight rows are contiguous, so this runs a fixed distance ahead along the stream.
+        _mm_prefetch((const char *)(bp + k) + PREFETCH_BYTES, _MM_HINT_T2);
+        const __m512 b = _mm512_loadu_ps(bp + k);
         for (int i = 0; i < M; i++)
-            store(C + (size_t)i * ldc + j + r, _mm512_reduce_add_ps(acc[r][i]), alpha, beta);
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(A + (size_t)i * lda + k), b, acc[i]);
+    }
+    if (tail) {
+        const __m512 b = _mm512_maskz_loadu_ps(tail, bp + k);
+        for (int i = 0; i < M; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, A + (size_t)i * lda + k), b, acc[i]);
+    }
+    for (int i = 0; i < M; i++) store(C + (size_t)i * ldc + j, _mm512_reduce_add_ps(acc[i]), alpha, beta);
 }
 
 // B not transposed ([K, N] row-major, e.g. attention's scores @ V): 16-column strips of B, S strips at
@@ -169,7 +163,7 @@ static const kern_fn NN[KERNEL_M + 1] = {0, nn1, nn2, nn3, nn4, nn5, nn6, nn7, n
             if (tail) W_STEP(kfull, W_TAIL_LOAD)                                                        \
             W_OUT(0) W_OUT(1) W_OUT(2) W_OUT(3) W_OUT(4) W_OUT(5)                                       \
         }                                                                                               \
-        for (; j < j1; j++) nt_block(M, 1, K, A, lda, B, ldb, C, ldc, alpha, beta, j);                  \
+        for (; j < j1; j++) nt_block(M, K, A, lda, B, ldb, C, ldc, alpha, beta, j);                  \
     }
 DEFINE_WIDE(1) DEFINE_WIDE(2) DEFINE_WIDE(3) DEFINE_WIDE(4) DEFINE_WIDE(5) DEFINE_WIDE(6)
 static const kern_fn NTW[WIDE_M_MAX + 1] = {0, ntw1, ntw2, ntw3, ntw4, ntw5, ntw6};

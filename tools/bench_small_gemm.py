@@ -24,8 +24,7 @@ from typing import Any
 import engine  # noqa: F401  (chooses the BLAS and the kernel before mlx is imported)
 
 # (requests, tokens each): one request decoding or verifying T-1 drafts; batches of decoding requests;
-# batches where every request verifies drafts (12, 16 and 24 rows: the kernel's chunked range; 40 rows are
-# MKL's in both variants).
+# batches where every request verifies drafts (12 to 40 rows: several chunks of rows per weight block).
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (4, 1), (8, 1), (4, 3), (8, 2), (8, 3), (8, 5)]
 
 
