@@ -8,8 +8,8 @@
     python -m loadtests compare --a "specserve serve" --b "specserve serve --speculative-config '{...}'"
     # overlay earlier runs on one plot (speculation on vs off)
     python -m loadtests plot off.json ngram.json -o results/tmp/overlay.png
-    # the README results (see suite.py)
-    python -m loadtests suite [--quick] [--update-readme]
+    # the results of docs/load-tests.md (see suite.py)
+    python -m loadtests suite [--quick] [--update-docs]
 """
 
 from __future__ import annotations

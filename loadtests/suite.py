@@ -1,6 +1,6 @@
-"""The README results: every speculation method and mlx_lm.server, same workloads, interleaved.
+"""The load-test results of docs/load-tests.md: every speculation method and mlx_lm.server, interleaved.
 
-    python -m loadtests suite --update-readme     # full run (~25 min on a 2-core CPU)
+    python -m loadtests suite --update-docs       # full run (~25 min on a 2-core CPU)
     python -m loadtests suite --quick             # off vs ngram, one workload, under 3 minutes
 
 Full mode starts specserve with no speculation, ngram, suffix, draft_model (the target as its own
@@ -8,7 +8,7 @@ draft) and mtp (the committed assistant, configs/assistants/smollm2-135m-mtp, K 
 mlx_lm.server from a side venv (.venv-mlxlm, created on first use) on a float32 copy of the same
 weights, and runs single stream and 8/16/32 concurrency on each workload. Outputs go to
 results/loadtests/: suite.json (summaries), one PNG per workload, results.md (the tables);
---update-readme copies results.md into README.md between the loadtests markers. Per-request
+--update-docs copies results.md into docs/load-tests.md between the loadtests markers. Per-request
 records go to results/tmp/loadtests/.
 """
 
@@ -33,9 +33,10 @@ from loadtests.servers import (
     specserve_command,
 )
 
-README_START = "<!-- loadtests:results:start -->"
-README_END = "<!-- loadtests:results:end -->"
-COMMAND = "python -m loadtests suite --update-readme"
+DOCS_PAGE = REPO / "docs" / "load-tests.md"
+DOCS_START = "<!-- loadtests:results:start -->"
+DOCS_END = "<!-- loadtests:results:end -->"
+COMMAND = "python -m loadtests suite --update-docs"
 
 
 def spec_modes(model_folder: str) -> dict[str, dict[str, Any] | None]:
@@ -186,15 +187,15 @@ def _mlxlm_ratios(runs: list[dict[str, Any]], cfg: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
-def update_readme(markdown: str, readme: Path = REPO / "README.md") -> bool:
-    """Replace only the text between the markers (inside our README section)."""
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        print(f"{readme}: no {README_START} ... {README_END} markers; README left alone")
+def update_docs(markdown: str, page: Path = DOCS_PAGE) -> bool:
+    """Replace only the text between the markers of the load-test page."""
+    text = page.read_text()
+    if DOCS_START not in text or DOCS_END not in text:
+        print(f"{page}: no {DOCS_START} ... {DOCS_END} markers; left alone")
         return False
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{markdown}{README_END}{tail}")
+    head, rest = text.split(DOCS_START, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    page.write_text(f"{head}{DOCS_START}\n{markdown}{DOCS_END}{tail}")
     return True
 
 
@@ -209,8 +210,8 @@ def render(doc_path: Path, update: bool) -> int:
     (out / "results.md").write_text(md)
     plots.plot_by_workload(doc["runs"], out, title=_title(doc["runs"]))
     print(md)
-    if update and update_readme(md):
-        print("README.md results updated")
+    if update and update_docs(md):
+        print(f"{DOCS_PAGE} results updated")
     return 0
 
 
@@ -221,7 +222,7 @@ def _title(runs: list[dict[str, Any]]) -> str:
 
 def run_suite(args: argparse.Namespace) -> int:
     if args.render:
-        return render(Path(args.render), args.update_readme)
+        return render(Path(args.render), args.update_docs)
     t_start = time.monotonic()
     load_start = os.getloadavg()[0]  # other work on a shared machine shows up here
     cfg = quick_config() if args.quick else full_config()
@@ -251,21 +252,21 @@ def run_suite(args: argparse.Namespace) -> int:
     print(report.format_table(report.flat_levels(runs), report.level_columns()))
     print(f"\nwrote {out / 'suite.json'}, {out / 'results.md'}, {', '.join(map(str, pngs))} "
           f"in {doc['wall_s']:.0f} s")
-    if args.update_readme and not args.quick and update_readme(md):
-        print("README.md results updated")
+    if args.update_docs and not args.quick and update_docs(md):
+        print(f"{DOCS_PAGE} results updated")
     return 0
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("suite", help="the README results: all speculation methods and mlx_lm.server",
+    p = sub.add_parser("suite", help="the load-test results: all speculation methods and mlx_lm.server",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="off vs ngram, copy workload, c=1,4, < 3 minutes")
     p.add_argument("--modes", default=None, help="comma-separated subset of off,ngram,suffix,draft_model,mtp")
     p.add_argument("--skip-mlxlm", action="store_true", help="do not install / run mlx_lm.server")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--output-dir", default=None)
-    p.add_argument("--update-readme", action="store_true", help="rewrite the results in README.md")
+    p.add_argument("--update-docs", action="store_true", help="rewrite the results in docs/load-tests.md")
     p.add_argument("--render", metavar="SUITE_JSON", default=None,
-                   help="only rebuild results.md and the plots (README too with --update-readme) from a "
+                   help="only rebuild results.md and the plots (the docs page too with --update-docs) from a "
                         "suite.json")
     p.set_defaults(func=run_suite)

@@ -15,7 +15,7 @@ from loadtests.plots import PNG_SIGNATURE
 from loadtests.prom import SpecCounters, acceptance_summary, merge_spec, parse_spec_counters
 from loadtests.runner import percentile
 from loadtests.servers import ServerProcess, ServerSpec
-from loadtests.suite import README_END, README_START, results_markdown, update_readme
+from loadtests.suite import DOCS_END, DOCS_PAGE, DOCS_START, results_markdown, update_docs
 from loadtests.workloads import WORKLOADS, load_workload
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -153,7 +153,7 @@ def test_server_page_faults_are_read_from_proc(tmp_path: Path) -> None:
     assert srv.minor_faults() is None
 
 
-def test_results_markdown_and_readme_markers(tmp_path: Path) -> None:
+def test_results_markdown_and_docs_markers(tmp_path: Path) -> None:
     def level(c: int, tps: float, spec: dict[str, Any] | None) -> dict[str, Any]:
         d = {"mean": 0.05, "p50": 0.05, "p90": 0.06, "p99": 0.07}
         return {"level": f"c{c}", "concurrency": c, "qps": None, "num_requests": 4, "completed": 4,
@@ -171,8 +171,15 @@ def test_results_markdown_and_readme_markers(tmp_path: Path) -> None:
     md = results_markdown(doc)
     assert "| 1 | ngram | 4/4 | 40.0 | 2.00 |" in md and "no MTP loader" in md
     assert "pos 4" in md and "| copy | 8 | 2.00 |" in md
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Load tests and benchmarks\n\n{README_START}\nold\n{README_END}\nafter\n")
-    assert update_readme(md, readme)
-    text = readme.read_text()
-    assert "old" not in text and md in text and text.endswith(f"{README_END}\nafter\n")
+    # The suite writes into the load-test page, which carries the markers (once each).
+    assert DOCS_PAGE.name == "load-tests.md" and DOCS_PAGE.parent.name == "docs"
+    real = DOCS_PAGE.read_text()
+    assert real.count(DOCS_START) == 1 and real.count(DOCS_END) == 1
+    assert real.index(DOCS_START) < real.index(DOCS_END)
+    page = tmp_path / "load-tests.md"
+    page.write_text(f"# x\n\n## Results\n\n{DOCS_START}\nold\n{DOCS_END}\nafter\n")
+    assert update_docs(md, page)
+    text = page.read_text()
+    assert "old" not in text and md in text and text.endswith(f"{DOCS_END}\nafter\n")
+    page.write_text("# no markers\n")
+    assert not update_docs(md, page) and page.read_text() == "# no markers\n"
