@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -105,3 +107,13 @@ def test_grafana_provisions_the_prometheus_service_and_the_dashboard() -> None:
     refs = _dashboard_datasources(dashboard)
     assert len(refs) > 20
     assert all(ref == {"type": source["type"], "uid": f"${{{name}}}"} for ref in refs), refs
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (apt-get install prometheus; .ci/run does this)")
+@pytest.mark.parametrize("config", [MONITORING / "prometheus.yml", ROOT / "configs" / "prometheus.yml"],
+                         ids=["compose", "local"])
+def test_prometheus_accepts_the_scrape_configs(config: Path) -> None:
+    proc = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
