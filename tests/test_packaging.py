@@ -8,16 +8,16 @@ import ast
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import httpx
 import pytest
 from setuptools import find_packages
+
+from loadtests.servers import ServerProcess, ServerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -106,14 +106,9 @@ def _fresh_venv(tmp: Path) -> Path:
     return venv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_wheel_in_a_fresh_venv_serves_the_shipped_mtp_config(tmp_path: Path) -> None:
+def test_wheel_in_a_fresh_venv_serves_the_shipped_mtp_config(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     venv = _fresh_venv(tmp_path)
     work = tmp_path / "elsewhere"  # not the checkout: nothing may come from the working directory
     work.mkdir()
@@ -132,41 +127,21 @@ def test_wheel_in_a_fresh_venv_serves_the_shipped_mtp_config(tmp_path: Path) -> 
     version = PYPROJECT["project"]["version"]
     assert _run(specserve, "--version", cwd=work, env=env).strip() == f"specserve {version}"
 
-    port = _free_port()
+    monkeypatch.chdir(work)
+    spec = ServerSpec("wheel", [str(specserve), "serve", "--config", "mtp", "--max-model-len", "1024",
+                                "--kv-cache-memory", "256MiB"], env={"PYTHONPATH": ""}, startup_timeout_s=600)
     log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([specserve, "serve", "--config", "mtp", "--port", str(port),
-                                 "--max-model-len", "1024", "--kv-cache-memory", "256MiB"],
-                                cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+    with ServerProcess(spec, log) as srv:
+        model = httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"]
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=300, json={
             "model": model, "max_tokens": 24, "temperature": 0,
             "messages": [{"role": "user", "content": "Count from one to ten in words."}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"].strip()
-        assert httpx.get(f"{url}/version").json() == {"version": version}
-        metrics = httpx.get(f"{url}/metrics").text
+        assert httpx.get(f"{srv.url}/version").json() == {"version": version}
+        metrics = httpx.get(f"{srv.url}/metrics").text
         drafted = [float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
         assert drafted and drafted[0] > 0, "the MTP assistant drafted nothing"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     # The assistant came from the installed package, not from a checkout.
     assert "site-packages/specserve_configs/assistants/smollm2-135m-mtp" in log.read_text(), log.read_text()
