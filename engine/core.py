@@ -233,6 +233,8 @@ class EngineCore:
                 # Prefill done: count the whole prompt (cached part included), as vLLM does.
                 stats.num_prompt_tokens += req.num_prompt_tokens
                 stats.time_to_first_tokens.append(now - req.times.arrival)
+            elif new_tokens and req.times.inter_token is not None:
+                stats.inter_token_latencies.append(req.times.inter_token)
             detok = self._detok.get(req.request_id)
             text = ""
             if detok is not None and new_tokens:

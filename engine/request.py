@@ -33,6 +33,7 @@ class RequestTimes:
     scheduled: float | None = None  # first time it entered the running set
     first_token: float | None = None
     last_token: float | None = None
+    inter_token: float | None = None  # seconds between the last two steps that emitted tokens
     finished: float | None = None
 
 

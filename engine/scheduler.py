@@ -200,6 +200,8 @@ class Scheduler:
             req.append_output(new_tokens)
             if req.times.first_token is None:
                 req.times.first_token = now
+            if req.times.last_token is not None:
+                req.times.inter_token = now - req.times.last_token
             req.times.last_token = now
             # Only confirmed tokens (KV computed, not drafts) ever become prefix-cache blocks.
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)

@@ -52,6 +52,8 @@ class IterationStats:
     prefix_cache_queries: int  # cumulative
     prefix_cache_hits: int  # cumulative
     time_to_first_tokens: list[float] = field(default_factory=list)
+    # One per request that emitted tokens this step and had before (vLLM's inter-token latency).
+    inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     spec: SpecDecodingStats | None = None
     # Speculation choices made at the end of this step for the next one (every speculative config):

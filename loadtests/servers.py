@@ -20,10 +20,12 @@ from typing import Any
 
 import httpx
 
+from specserve_configs import shipped
+
 REPO = Path(__file__).resolve().parent.parent
 MLXLM_VENV = REPO / ".venv-mlxlm"
-# The MTP assistant trained for the default model by `specserve train-assistant` (committed).
-DEFAULT_MTP_ASSISTANT = str(REPO / "configs" / "assistants" / "smollm2-135m-mtp")
+# The MTP assistant trained for the default model by `specserve train-assistant` (shipped).
+DEFAULT_MTP_ASSISTANT = str(shipped("assistants", "smollm2-135m-mtp"))
 
 
 @dataclass

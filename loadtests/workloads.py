@@ -16,10 +16,11 @@ import json
 import random
 import zlib
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(str(files(__package__).joinpath("data")))
 WORKLOADS = ("chat", "copy", "mixed-temp", "long")
 
 _PROSE_TASKS = [

@@ -24,6 +24,7 @@ import uvicorn
 
 import engine  # noqa: F401  - selects the BLAS before mlx is imported
 from server.settings import ServerSettings
+from specserve_configs import server_configs
 
 logger = logging.getLogger("specserve")
 
@@ -80,6 +81,7 @@ def _help(field: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server on MLX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{serve,prepare,train-assistant,train-draft}")
 
@@ -91,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: only flags actually given appear, so they can override the YAML file.
     serve.add_argument("model", nargs="?", default=argparse.SUPPRESS,
                        help=ServerSettings.model_fields["model"].description)
+    serve.add_argument("--model", dest="model_flag", metavar="MODEL", default=argparse.SUPPRESS,
+                       help="the same as the positional MODEL (vLLM's spelling)")
     serve.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                       help="YAML file with the same keys as the flags (e.g. `max-model-len: 2048`)")
+                       help="YAML file with the same keys as the flags (e.g. `max-model-len: 2048`), or the "
+                            f"name of a shipped one ({', '.join(server_configs())})")
     for flag, field, opts in _SERVE_FLAGS:
         serve.add_argument(flag, dest=field, default=argparse.SUPPRESS, help=_help(field), **opts)
 
@@ -142,13 +147,51 @@ def _normalize_key(key: str) -> str:
     return key.strip().lstrip("-").replace("-", "_")
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    import yaml
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        return version("specserve")
+    except PackageNotFoundError:  # a checkout run with `python -m server.cli`, never installed
+        return "(not installed)"
+
+
+def config_file(name: str) -> Path:
+    """--config's file: a path, or where no such file exists and no folder is named, a shipped config
+    (`mtp` or `mtp.yaml`)."""
+    path = Path(name).expanduser()
+    shipped = server_configs()
+    if not path.exists() and path.name == name and path.stem in shipped and path.suffix in ("", ".yaml"):
+        return shipped[path.stem]
+    return path
+
+
+def _paths_from(folder: Path, values: dict[str, Any]) -> None:
+    """A relative path naming a file to read is taken from the config file's folder where it exists there
+    (the shipped MTP config names its assistant so); otherwise it stays as written (a Hub id, a path
+    from the working directory)."""
+    spec = values.get("speculative_config")
+    slots = [(values, "model"), (values, "chat_template")]
+    if isinstance(spec, dict):
+        slots.append((spec, "model"))
+    for where, key in slots:
+        value = where.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            beside = folder / value
+            if beside.exists():
+                where[key] = str(beside.resolve())
+
+
+def load_config_file(name: str) -> dict[str, Any]:
+    import yaml
+
+    path = config_file(name)
+    try:
+        data = yaml.safe_load(path.read_text())
     except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror}") from e
+        missing = isinstance(e, FileNotFoundError)
+        hint = f" (shipped configs: {', '.join(server_configs())})" if missing else ""
+        raise ValueError(f"--config {path}: {e.strerror}{hint}") from e
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: invalid YAML: {e}") from e
     if data is None:
@@ -158,10 +201,11 @@ def load_config_file(path: str) -> dict[str, Any]:
     known = set(ServerSettings.model_fields)
     out = {}
     for key, value in data.items():
-        name = _normalize_key(str(key))
-        if name not in known:
+        key_name = _normalize_key(str(key))
+        if key_name not in known:
             raise ValueError(f"--config {path}: unknown key {key!r}")
-        out[name] = value
+        out[key_name] = value
+    _paths_from(path.parent, out)
     return out
 
 
@@ -171,6 +215,11 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
 
     environ = dict(os.environ) if environ is None else environ
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    flag = given.pop("model_flag", None)
+    if flag is not None:
+        if given.get("model", flag) != flag:
+            raise ValueError(f"two models given: {given['model']!r} and --model {flag!r}")
+        given["model"] = flag
     values: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
     if "api_key" not in values and environ.get(API_KEY_ENV):
         values["api_key"] = environ[API_KEY_ENV]

@@ -134,8 +134,13 @@ class Metrics:
 
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
                               "seconds.", _TTFT_BUCKETS).labels(model_name)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
-                              "seconds.", _TPOT_BUCKETS).labels(model_name)
+        # vLLM's current pair: one observation per request-step after the first token (a speculative step
+        # emitting several tokens counts once), and each finished request's mean time per output token.
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", _TPOT_BUCKETS).labels(model_name)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.",
+                                      _TPOT_BUCKETS).labels(model_name)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
                              "seconds.", _LATENCY_BUCKETS).labels(model_name)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING "
@@ -210,6 +215,8 @@ class Metrics:
             self.num_preemptions.inc(stats.num_preempted)
         for ttft in stats.time_to_first_tokens:
             self.ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.observe(itl)
         for fin in stats.finished:
             self._observe_finished(fin)
         with self._lock:
@@ -232,7 +239,7 @@ class Metrics:
         self.e2e.observe(fin.e2e_latency)
         self.queue_time.observe(fin.queue_time)
         if fin.time_per_output_token is not None:
-            self.tpot.observe(fin.time_per_output_token)
+            self.request_tpot.observe(fin.time_per_output_token)
         if self.spec_enabled and fin.spec_num_draft_tokens:
             self.request_acceptance.observe(fin.spec_num_accepted_tokens / fin.spec_num_draft_tokens)
         self.request_prompt_tokens.observe(fin.num_prompt_tokens)

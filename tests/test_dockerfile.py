@@ -1,5 +1,6 @@
-"""Dockerfile.dev: hadolint-clean, and built by the README's own set-up command (the one CI runs),
-so the image exercises the same steps as every fresh checkout."""
+"""Dockerfile.dev: hadolint-clean; a runtime image (wheel, one BLAS, no torch) and a dev image built by the
+README's own set-up command (the one CI runs), both from a pinned base, unprivileged, their dependencies
+installed before the source is copied."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,20 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
+def _stages() -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """{stage name: (image it starts from, its instructions)}."""
+    stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    steps: list[tuple[str, str]] = []
+    for op, arg in _instructions():
+        if op == "FROM":
+            image, _, name = arg.partition(" AS ")
+            steps = []
+            stages[name or str(len(stages))] = (image, steps)  # unnamed stages by position
+        else:
+            steps.append((op, arg))
+    return stages
+
+
 def _readme_dev_setup() -> str:
     """The set-up command of the README's `--dev` block (before `&& ... pytest`)."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
@@ -35,24 +51,68 @@ def _readme_dev_setup() -> str:
     return line.split("&&")[0].strip()
 
 
-def test_dockerfile_runs_the_readme_setup() -> None:
+def test_two_images_from_a_pinned_base() -> None:
+    stages = _stages()
+    assert {"runtime", "dev"} <= set(stages)
+    for name, (image, _) in stages.items():
+        if image not in stages:  # not built on an earlier stage: an exact tag or a digest
+            assert "@sha256:" in image or re.search(r":\d+\.\d+\.\d+", image), (name, image)
+    assert stages["runtime"][0] == stages["dev"][0] == "base"
+
+
+def test_images_run_as_an_unprivileged_user() -> None:
+    stages = _stages()
+    uid = re.search(r"useradd --uid (\d+)", " ".join(a for op, a in stages["base"][1] if op == "RUN"))
+    assert uid and int(uid.group(1)) >= 1000
+    for name in ("runtime", "dev"):
+        ops = [op for op, _ in stages[name][1]]
+        users = [arg for op, arg in stages[name][1] if op == "USER"]
+        assert users and users[-1].split(":")[0] == uid.group(1), (name, users)
+        assert ops.index("USER") < ops.index("CMD")
+
+
+def test_dependencies_install_before_the_source_is_copied() -> None:
+    stages = _stages()
+    # The base stage sees pyproject.toml alone when it writes the requirement files.
+    copies = [arg for op, arg in stages["base"][1] if op == "COPY"]
+    assert copies == ["pyproject.toml /opt/specserve/"]
+    for name in ("runtime", "dev"):
+        steps = stages[name][1]
+        deps = next(i for i, (op, arg) in enumerate(steps) if op == "RUN" and "pip install -r" in arg)
+        source = next(i for i, (op, _) in enumerate(steps) if op == "COPY")
+        assert deps < source, name
+
+
+def test_one_blas_and_no_torch_in_the_runtime_image() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # MKL (x86-64 only) comes with the dependencies; OpenBLAS only where MKL has no wheel.
+    mkl = [d for d in project["dependencies"] if re.match(r"mkl\b", d)]
+    assert mkl and all("platform_machine == 'x86_64'" in d for d in mkl)
+    runs = [arg for _, steps in _stages().values() for op, arg in steps if op == "RUN"]
+    blas = [r for r in runs if "libopenblas" in r]
+    assert len(blas) == 1 and re.search(r'!= amd64 \]; then [^;]*libopenblas', blas[0]), blas
+    assert "SPECSERVE_BLAS" not in DOCKERFILE.read_text()
+    # torch is a dev extra; only the dev image installs the dev extras.
+    assert not any(d.startswith("torch") for d in project["dependencies"])
+    assert any(d.startswith("torch") for d in project["optional-dependencies"]["dev"])
+    runtime = " ".join(arg for op, arg in _stages()["runtime"][1] if op == "RUN")
+    assert "pip install -r /opt/specserve/runtime.txt" in runtime
+    assert "dev.txt" not in runtime and "[dev]" not in runtime and "torch" not in runtime
+
+
+def test_dev_image_runs_the_readme_setup() -> None:
     setup = _readme_dev_setup()
     assert setup == "bash scripts/setup.sh --dev"
     assert setup in (ROOT / ".ci" / "run").read_text()  # CI runs the same command
-    steps = _instructions()
-    assert steps[0] == ("FROM", "python:3.11-slim")
-    runs = [arg for op, arg in steps if op == "RUN"]
-    # Only two RUN steps: Debian's OpenBLAS, then exactly the README's set-up (no extra pip lines).
-    assert len(runs) == 2 and runs[1] == setup, runs
-    assert "apt-get install" in runs[0] and "libopenblas0-pthread" in runs[0]
-    env = " ".join(arg for op, arg in steps if op == "ENV")
-    assert "SPECSERVE_BLAS=openblas" in env
+    runs = [arg for op, arg in _stages()["dev"][1] if op == "RUN"]
+    assert runs[-1] == setup, runs
 
 
-def test_dockerfile_serves_on_all_interfaces_with_a_health_check() -> None:
-    steps = dict(_instructions())
+@pytest.mark.parametrize(("stage", "specserve"), [("runtime", "specserve"), ("dev", ".venv/bin/specserve")])
+def test_images_serve_on_all_interfaces_with_a_health_check(stage: str, specserve: str) -> None:
+    steps = dict(_stages()[stage][1])
     cmd = shlex.split(steps["CMD"].replace("[", "").replace("]", "").replace(",", " "))
-    assert cmd == [".venv/bin/specserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert cmd == [specserve, "serve", "--host", "0.0.0.0", "--port", "8000"]
     assert steps["EXPOSE"] == "8000"
     health = steps["HEALTHCHECK"]
     assert "http://127.0.0.1:8000/health" in health and health.startswith("--interval")

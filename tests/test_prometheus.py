@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's `prometheus` package) scrapes a real server during a load run; its PromQL
-acceptance rate must equal the run's own count, summed from the responses' per-request stats.
+acceptance rate must equal the run's own count, summed from the responses' per-request stats, and the
+dashboard's TPOT / inter-token latency quantiles must evaluate.
 
 Skipped with a reason where the binary is absent; `.ci/run` installs it where it can.
 """
@@ -7,6 +8,7 @@ Skipped with a reason where the binary is absent; `.ci/run` installs it where it
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
@@ -19,11 +21,15 @@ import pytest
 
 from tests.conftest import RunningServer
 
+ROOT = Path(__file__).resolve().parents[1]
+
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed "
                                 "(apt-get install prometheus; .ci/run does this where it can)")
-QUERY = ("rate(vllm:spec_decode_num_accepted_tokens_total[1m]) / "
-         "rate(vllm:spec_decode_num_draft_tokens_total[1m])")
+# A window longer than the whole run (which takes over a minute on a loaded machine), so the ratio
+# covers every step of it.
+QUERY = ("rate(vllm:spec_decode_num_accepted_tokens_total[10m]) / "
+         "rate(vllm:spec_decode_num_draft_tokens_total[10m])")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -101,3 +107,20 @@ def test_promql_acceptance_rate_equals_the_runs_own_count(prometheus: tuple[Runn
     promql = float(result[0]["value"][1])
     assert promql == pytest.approx(accepted / drafted, rel=1e-6), (promql, accepted, drafted)
     assert result[0]["metric"]["model_name"] == srv.client.model_name
+
+    # vLLM's latency pair: one TPOT sample per request, one inter-token gap per request-step after the
+    # first token. Accepted drafts make steps that emit several tokens, so there are fewer gaps than tokens.
+    def scalar(expr: str) -> float:
+        (sample,) = _query(api, expr, at)
+        return float(sample["value"][1])
+
+    requests = scalar("vllm:request_time_per_output_token_seconds_count")
+    gaps = scalar("vllm:inter_token_latency_seconds_count")
+    assert requests >= 6 and 0 < gaps < scalar("vllm:generation_tokens_total") - requests
+    # The dashboard's latency quantiles evaluate on these series.
+    dashboard = json.loads((ROOT / "configs" / "grafana" / "specserve-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]
+             if "inter_token_latency" in t["expr"] or "request_time_per_output_token" in t["expr"]]
+    assert len(exprs) == 4
+    for expr in exprs:
+        assert 0 < scalar(expr.replace("$model_name", ".*")) < 80, expr

@@ -12,13 +12,16 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+import engine
 from server.cli import build_parser, main, resolve_settings
+from specserve_configs import shipped
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECSERVE = str(Path(sys.executable).parent / "specserve")
@@ -94,6 +97,47 @@ def test_invalid_settings_are_reported(tmp_path: Path, yaml_text: str, argv: lis
     cfg.write_text(yaml_text)
     with pytest.raises(ValueError, match=re.escape(message)):
         parse("--config", str(cfg), *argv)
+
+
+def test_model_flag_is_the_positional() -> None:
+    assert parse("--model", "some/model").model == "some/model"
+    assert parse("some/model", "--model", "some/model").model == "some/model"
+    with pytest.raises(ValueError, match="two models given"):
+        parse("a/model", "--model", "b/model")
+
+
+def test_shipped_config_by_name_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    s = parse("--config", "mtp")
+    assistant = Path(s.speculative_config["model"])
+    assert assistant == shipped("assistants", "smollm2-135m-mtp").resolve()
+    assert (assistant / "model.safetensors").is_file()
+    assert parse("--config", "mtp.yaml").speculative_config == s.speculative_config
+    with pytest.raises(ValueError, match="shipped configs: .*mtp"):
+        parse("--config", "no-such-config")
+
+
+def test_config_paths_are_relative_to_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "cfg"
+    (folder / "draft").mkdir(parents=True)
+    (folder / "t.jinja").write_text("{{ messages[0].content }}")
+    (folder / "c.yaml").write_text("model: HuggingFaceTB/SmolLM2-135M-Instruct\nchat-template: t.jinja\n"
+                                   "speculative-config:\n  method: draft_model\n  model: draft\n"
+                                   "  num_speculative_tokens: 2\n")
+    monkeypatch.chdir(tmp_path)
+    s = parse("--config", "cfg/c.yaml")
+    assert s.model == "HuggingFaceTB/SmolLM2-135M-Instruct"  # no such folder beside the file: as written
+    assert s.chat_template == "{{ messages[0].content }}"
+    assert s.speculative_config["model"] == str((folder / "draft").resolve())
+
+
+def test_version_is_the_installed_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"specserve {version}\n"
+    assert engine.__version__ == version  # what /version answers
 
 
 def _free_port() -> int:

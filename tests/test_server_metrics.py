@@ -25,7 +25,8 @@ REQUIRED = {
     "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
-    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
 }
@@ -63,6 +64,8 @@ def test_metrics_parse_with_vllm_names(server_url: str) -> None:
     for name, kind in REQUIRED.items():
         assert name in families, name
         assert families[name].type == kind, (name, families[name].type)
+    # vLLM deprecated the TPOT histogram for vllm:inter_token_latency_seconds: it is gone here too.
+    assert "vllm:time_per_output_token_seconds" not in families
     samples = scrape(server_url)
     total = value(samples, "specserve:kv_cache_total_blocks")
     assert total > 0 and value(samples, "specserve:kv_cache_free_blocks") == total
@@ -98,9 +101,12 @@ def test_counters_move_by_known_amounts(server: RunningServer) -> None:
     for reason in ("stop", "length"):
         assert d("vllm:request_success_total", finished_reason=reason) == reasons.count(reason)
     for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_queue_time_seconds", "vllm:time_per_output_token_seconds"):
+                 "vllm:request_queue_time_seconds", "vllm:request_time_per_output_token_seconds"):
         assert d(hist + "_count") == 2, hist
         assert d(hist + "_sum") >= 0
+    # Without speculation every step after a request's first token emits one token: one gap each.
+    assert d("vllm:inter_token_latency_seconds_count") == gen - 2
+    assert 0 < d("vllm:inter_token_latency_seconds_sum") < d("vllm:e2e_request_latency_seconds_sum")
     assert d("vllm:e2e_request_latency_seconds_sum") > d("vllm:time_to_first_token_seconds_sum") > 0
     assert value(after, "vllm:num_requests_running") == 0
 

@@ -31,10 +31,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from engine.models import adapter
 from engine.models.loader import LoadedModel
 from engine.models.mtp_trained import TRAINED_TYPE, TrainedAssistant, load_trained, save_trained
+from specserve_configs import shipped
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "configs" / "train_prompts.jsonl"
+DEFAULT_PROMPTS = shipped("train_prompts.jsonl")
 CALIBRATION_CUTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # draft_min_token_prob values the summary reports
 
 
