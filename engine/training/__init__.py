@@ -1,1 +1,1 @@
-"""Training the speculative drafters (MTP assistants, small draft models): offline, not on the serving path."""
+"""Training the speculative drafters (MTP assistants, draft models): offline, not on the serving path."""
