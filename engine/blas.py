@@ -15,6 +15,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from engine import envs
+
 _DEBIAN_OPENBLAS = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -83,7 +85,7 @@ def select_blas() -> BlasInfo:
     global _selected
     if _selected is not None:
         return _selected
-    choice = os.environ.get("SPECSERVE_BLAS", "auto").strip() or "auto"
+    choice = envs.get("SPECSERVE_BLAS")
     if sys.platform == "darwin":
         _selected = BlasInfo("accelerate", None, "macOS: MLX uses Accelerate / Metal")
         return _selected

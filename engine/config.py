@@ -9,10 +9,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine import envs
+
 
 def cache_dir() -> Path:
     """Where specserve keeps converted models and built kernels (`SPECSERVE_CACHE_DIR`)."""
-    root = os.environ.get("SPECSERVE_CACHE_DIR")
+    root = envs.get("SPECSERVE_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "specserve"
 
 

@@ -20,7 +20,8 @@ from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, set_global_seed
+from engine.sampler import set_global_seed
+from engine.sampling import SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec.adaptive import AdaptiveController, Candidate
 from engine.spec.backoff import DraftBackoff

@@ -6,14 +6,16 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from engine import platform
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.models.loader import LoadedModel
 from engine.sampling import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.models.loader import LoadedModel
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -42,6 +44,9 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **kwargs: Any) -> None:
+        platform.setup()  # before the engine's modules import mlx
+        from engine.core import EngineCore
+
         self.core = EngineCore(EngineConfig(model=model, **kwargs), loaded=loaded)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()

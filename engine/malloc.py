@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
+
+from engine import envs
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -37,9 +38,7 @@ def tune_malloc() -> str:
     global _state
     if _state is not None:
         return _state
-    choice = os.environ.get("SPECSERVE_MALLOC", "tuned").strip().lower()
-    if choice not in ("tuned", "default"):
-        raise ValueError(f"SPECSERVE_MALLOC={choice!r}: expected 'tuned' or 'default'")
+    choice = envs.get("SPECSERVE_MALLOC")
     if choice == "default":
         _state = "glibc default (SPECSERVE_MALLOC=default)"
     elif not sys.platform.startswith("linux"):

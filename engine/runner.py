@@ -10,7 +10,8 @@ import mlx.nn as nn
 from engine.attention import PagedKVCache, build_metadata, paged_attention_reference
 from engine.faults import FaultInjector, InjectedFault
 from engine.models import adapter
-from engine.sampling import RowState, sample
+from engine.sampler import sample
+from engine.sampling import RowState
 from engine.scheduler import RunnerOutput, SchedulerOutput
 from engine.spec.verify import verify_greedy
 

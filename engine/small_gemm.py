@@ -6,16 +6,16 @@ MKL's GEMM path costs ~1.8x its GEMV path from 4 rows on; the kernel here stream
 any number of rows up to 256 (prefill chunks included: ~190 GFLOP/s on two cores, MKL 100-145 there),
 and gives each row bitwise the result it would have alone (see the C file). It is compiled once per
 source version with the system C compiler (`cc`, AVX-512F, OpenMP) into the model cache folder, and
-must be loaded before libmlx binds `cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=0`
+must be loaded before libmlx binds `cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off`
 turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
+from engine import envs
 from engine.cbuild import X86_FLAGS, build_library, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
@@ -24,8 +24,8 @@ MAX_M = 256
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot be used on this machine (None: it can)."""
-    if os.environ.get("SPECSERVE_SMALL_GEMM", "auto").strip().lower() in ("0", "off", "false", "no"):
-        return "SPECSERVE_SMALL_GEMM=0"
+    if envs.get("SPECSERVE_SMALL_GEMM") == "off":
+        return "SPECSERVE_SMALL_GEMM=off"
     return x86_linux_reason()
 
 

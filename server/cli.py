@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-import engine  # noqa: F401  - selects the BLAS before mlx is imported
+from engine import platform
 from server.settings import ServerSettings
 from specserve_configs import server_configs
 
@@ -260,8 +260,6 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(settings: ServerSettings) -> int:
     import mlx.core as mx
 
-    from engine.blas import blas_info
-    from engine.malloc import tune_malloc
     from server.app import build_app
     from server.engine_client import create_engine_client
 
@@ -271,7 +269,8 @@ def serve(settings: ServerSettings) -> int:
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, e.strerror or e)
         return 1
-    blas = blas_info()
+    host = platform.setup()
+    blas = host.blas
     if settings.async_scheduling:
         logger.warning("--async-scheduling is ignored: the engine schedules synchronously")
     try:
@@ -287,7 +286,7 @@ def serve(settings: ServerSettings) -> int:
                 core.max_model_len)
     logger.info("backend: mlx %s on %s, BLAS %s%s, small-M GEMM %s, malloc %s", mx.__version__,
                 mx.default_device(), blas.name, f" ({blas.path})" if blas.path else f" ({blas.reason})",
-                blas.small_gemm, tune_malloc())
+                blas.small_gemm, host.malloc)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", core.kv.pool.num_blocks, core.kv.block_size,
                 core.kv.pool.num_blocks * core.kv.block_size)
     if settings.speculative_config:
@@ -357,16 +356,17 @@ def prepare(model: str | None, dtype: str, revision: str | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    platform.setup()  # before anything imports mlx
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "prepare":
         return prepare(args.model, args.dtype, args.revision)
     if args.command == "train-assistant":
-        from engine.spec.train_assistant import main_cli
+        from engine.training.assistant import main_cli
 
         return main_cli(args)
     if args.command == "train-draft":
-        from engine.spec.train_draft import main_cli as draft_cli
+        from engine.training.draft import main_cli as draft_cli
 
         return draft_cli(args)
     try:

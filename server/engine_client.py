@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import engine  # noqa: F401  - selects the BLAS before mlx is imported
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loop import EngineDeadError, EngineLoop

@@ -1,2 +1,4 @@
-# Importing `engine` first selects the optimized BLAS before any test module imports mlx.
-import engine  # noqa: F401
+# Tests are a program: make the process-wide choices (BLAS, malloc) before any test module imports mlx.
+from engine import platform
+
+platform.setup()

@@ -1,10 +1,10 @@
-"""The committed training prompt set is what `tools/make_train_prompts.py` builds, and it never contains a
+"""The committed training prompt set is what `engine/training/prompts.py` builds, and it never contains a
 held-out (benchmark) prompt: the MTP benchmark's acceptance is measured on prompts the assistant never saw."""
 
 from __future__ import annotations
 
-from engine.spec.train_assistant import read_prompts
-from tools.make_train_prompts import ROOT, build
+from engine.training.assistant import read_prompts
+from engine.training.prompts import ROOT, build
 
 
 def test_committed_prompt_file_is_the_tools_output() -> None:

@@ -15,8 +15,8 @@ import pytest
 # kernel after every step and the next step faults them in again; fixed thresholds keep them.
 _PROBE = r"""
 import ctypes, json, resource
-import engine
 from engine.malloc import tune_malloc
+tune_malloc()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -55,7 +55,7 @@ def test_fixed_thresholds_stop_refaulting_between_steps() -> None:
 
 def test_bad_choice_is_refused() -> None:
     env = {**os.environ, "SPECSERVE_MALLOC": "jemalloc"}
-    out = subprocess.run([sys.executable, "-c", "import engine"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", "from engine import platform; platform.setup()"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
     assert "SPECSERVE_MALLOC='jemalloc'" in out.stderr

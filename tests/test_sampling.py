@@ -4,15 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.sampling import (
-    MAX_STOP_TOKEN_IDS,
-    RowState,
-    SamplingParams,
-    filter_logits,
-    process_logits,
-    sample,
-    set_global_seed,
-)
+from engine.sampler import filter_logits, process_logits, sample, set_global_seed
+from engine.sampling import MAX_STOP_TOKEN_IDS, RowState, SamplingParams
 
 VOCAB = 1000
 

@@ -15,7 +15,7 @@ from engine.llm import LLM
 from engine.models.loader import load_model
 from engine.models.mtp_assistant import load_assistant
 from engine.sampling import SamplingParams
-from engine.spec.train_assistant import (
+from engine.training.assistant import (
     TrainSettings,
     _batch,
     agreement,
@@ -27,7 +27,7 @@ from engine.spec.train_assistant import (
     target_features,
     train_assistant,
 )
-from engine.spec.train_draft import DraftSettings
+from engine.training.draft import DraftSettings
 from tests.test_models import make_tiny_folder
 
 

@@ -14,8 +14,8 @@ from engine.llm import LLM
 from engine.models import adapter
 from engine.models.loader import load_model
 from engine.sampling import SamplingParams
-from engine.spec.train_assistant import TrainSettings
-from engine.spec.train_draft import DraftSettings, cut_model, train_draft
+from engine.training.assistant import TrainSettings
+from engine.training.draft import DraftSettings, cut_model, train_draft
 from tests.test_models import make_tiny_folder
 
 

@@ -3,7 +3,7 @@
     python -m tools.bench_small_gemm [--repeats 3] [--output-json results/bench_small_gemm.json]
 
 The kernel is chosen when `engine` is imported, so each variant runs in its own process
-(`SPECSERVE_SMALL_GEMM=auto|0`); processes alternate order per repeat. A process times, at a 200-token
+(`SPECSERVE_SMALL_GEMM=on|off`); processes alternate order per repeat. A process times, at a 200-token
 context, the forward pass of one request computing T tokens plus the head and argmax (T = 1: a
 decode step; T = 5: verifying 4 drafts) and of T single-token requests in one batch. Reported: median
 ms per step, and each step's cost relative to T = 1 of the same variant (what speculation pays).
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.iters)))
         return 0
 
-    variants = {"on": "auto", "off": "0"}
+    variants = {"on": "on", "off": "off"}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         for v in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):

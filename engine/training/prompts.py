@@ -1,6 +1,6 @@
 """Rebuild `configs/train_prompts.jsonl`: the hand-written prompts plus templates x topics.
 
-    python -m tools.make_train_prompts            # rewrites configs/train_prompts.jsonl
+    python -m engine.training.prompts            # rewrites configs/train_prompts.jsonl
 
 The assistant generalises with the variety of the text the target writes for it, so the prompt set is
 wide (many topics, several instruction shapes) rather than deep. Every prompt in
@@ -15,7 +15,7 @@ import random
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TEMPLATES = [
     "Give me a brief history of {}.", "Write a short paragraph about {}.",
@@ -63,7 +63,7 @@ TOPICS = """DNA|Mars|Shakespeare|airplanes|antibiotics|baking bread|bicycles|bla
 
 
 def build() -> list[str]:
-    from engine.spec.train_assistant import read_prompts
+    from engine.training.assistant import read_prompts
 
     held = set(read_prompts(ROOT / "configs" / "train_prompts_heldout.jsonl"))
     original = read_prompts(ROOT / "configs" / "train_prompts.jsonl")

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from engine.models import adapter
 from engine.models.loader import LoadedModel, build_model
-from engine.spec.train_assistant import (
+from engine.training.assistant import (
     DEFAULT_PROMPTS,
     TrainSettings,
     all_features,

@@ -1,0 +1,42 @@
+"""The one registry of environment variables specserve reads: name, default, allowed values, meaning.
+
+Only process-wide choices that must be made before MLX loads (BLAS, malloc, the GEMM kernel) and
+deployment settings live here; everything else is a constructor or CLI option. Read them with `get`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: str
+    meaning: str
+    choices: tuple[str, ...] | None = None  # None: free text (a path, a key)
+
+
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("SPECSERVE_CACHE_DIR", "", "where converted models and built C kernels are kept "
+           "(default: ~/.cache/specserve)"),
+    EnvVar("SPECSERVE_API_KEY", "", "the API key `specserve serve` requires when --api-key is not given"),
+    EnvVar("SPECSERVE_BLAS", "auto", "the BLAS behind MLX's float32 matmuls on Linux: auto, mkl, openblas, "
+           "reference, or the path of a library exporting plain cblas_* symbols"),
+    EnvVar("SPECSERVE_SMALL_GEMM", "on", "the small-M GEMM kernel in front of the BLAS (x86-64 Linux)",
+           ("on", "off")),
+    EnvVar("SPECSERVE_MALLOC", "tuned", "glibc malloc: one arena with fixed thresholds (tuned) or glibc's "
+           "own behaviour (default)", ("tuned", "default")),
+)}
+
+
+def get(name: str) -> str:
+    """The variable's value (its default when unset or empty); a value outside its choices is an error."""
+    var = VARIABLES[name]
+    value = os.environ.get(name, "").strip() or var.default
+    if var.choices is not None:
+        value = value.lower()
+        if value not in var.choices:
+            raise ValueError(f"{name}={value!r}: expected one of {', '.join(var.choices)}")
+    return value

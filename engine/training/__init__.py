@@ -1,0 +1,1 @@
+"""Training the speculative drafters (MTP assistants, draft models): offline, not on the serving path."""

@@ -1,0 +1,106 @@
+"""The package layering: no import cycles among engine/, server/ and metal_kernels/ modules (lazy
+imports inside functions count too: they are cycles that only hide), the engine never imports the
+server, the load tests or the tools, and `import engine` leaves the process as it was."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "server", "metal_kernels")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (anywhere in the file but `if TYPE_CHECKING:`)."""
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_lines(tree)
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                # the longest project module the name refers to ("engine.kv.x" -> "engine.kv.x" or "engine.kv")
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != name and t not in PACKAGES:  # a package's bare name: its empty __init__
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_finds_a_planted_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_engine_imports_no_server_loadtests_or_tools() -> None:
+    bad = {(m, d) for m, deps in import_graph().items() if m.startswith("engine") for d in deps
+           if d.split(".")[0] in ("server", "loadtests", "tools")}
+    assert not bad, bad
+    for path in (ROOT / "engine").rglob("*.py"):
+        text = path.read_text()
+        assert "import loadtests" not in text and "from tools" not in text, path
+
+
+def test_import_engine_changes_nothing() -> None:
+    # nothing loaded or compiled: no BLAS or kernel library mapped, no MLX
+    probe = ("import os, sys, json; before = dict(os.environ); import engine, engine.llm, engine.sampling; "
+             "maps = open('/proc/self/maps').read() if os.path.exists('/proc/self/maps') else ''; "
+             "print(json.dumps({'env': dict(os.environ) == before, 'mlx': 'mlx.core' in sys.modules, "
+             "'libs': any(n in maps for n in ('mkl', 'openblas', 'small_gemm', 'cpu_attention'))}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == {"env": True, "mlx": False, "libs": False}
