@@ -45,7 +45,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             for t in targets:
-                # the longest project module the name refers to ("engine.kv.x" -> "engine.kv.x" or "engine.kv")
+                # the longest project module the name refers to ("engine.kv.X" -> "engine.kv")
                 while t and t not in files:
                     t = t.rpartition(".")[0]
                 if t and t != name and t not in PACKAGES:  # a package's bare name: its empty __init__

@@ -55,7 +55,7 @@ def test_fixed_thresholds_stop_refaulting_between_steps() -> None:
 
 def test_bad_choice_is_refused() -> None:
     env = {**os.environ, "SPECSERVE_MALLOC": "jemalloc"}
-    out = subprocess.run([sys.executable, "-c", "from engine import platform; platform.setup()"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", "from engine import platform; platform.setup()"], env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "SPECSERVE_MALLOC='jemalloc'" in out.stderr
