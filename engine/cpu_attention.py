@@ -25,9 +25,10 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention import AttentionMetadata
-from engine.cbuild import X86_FLAGS, build_library, cpu_has, x86_linux_reason
+from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 MAX_THREADS = 64  # threads for a step with ~1 ms of attention work or more (the C code caps at the CPUs)
 
 
@@ -35,11 +36,9 @@ def unsupported_reason() -> str | None:
     """Why the C attention cannot run here (None: it can). The cache layout is checked by the engine."""
     if os.environ.get("SPECSERVE_CPU_ATTENTION", "auto").strip().lower() in ("0", "off", "false", "no"):
         return "SPECSERVE_CPU_ATTENTION=0"
-    why = x86_linux_reason()
+    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
     if why:
         return why
-    if not cpu_has("avx512f"):
-        return "the CPU lacks AVX-512F"
     if mx.metal.is_available() or mx.default_device() != mx.cpu:
         return "MLX runs on a GPU"
     try:
@@ -51,7 +50,7 @@ def unsupported_reason() -> str | None:
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_attention", X86_FLAGS)))
+    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_attention", compile_flags(CPU_FEATURES))))
     fn = lib.cpu_paged_attention
     fn.restype = ctypes.c_int
     i, p = ctypes.c_int, ctypes.c_void_p
@@ -96,3 +95,4 @@ def cpu_paged_attention(
     if rc != 0:
         raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
     return mx.array(out)
+
