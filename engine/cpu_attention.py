@@ -19,12 +19,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, paged_attention_reference, random_case, reference_mismatch
 from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -96,3 +97,20 @@ def cpu_paged_attention(
         raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
     return mx.array(out)
 
+
+def self_test(kernel: Callable[..., mx.array] = cpu_paged_attention) -> list[str]:
+    """Run the C attention once on a small random step (decode rows, verification rows, a 20-token chunk;
+    whole context and a sliding window) against the reference path. Returns one line per failure (an
+    error or a mismatch); empty when it passed. `kernel`: what to test (tests pass stand-ins)."""
+    q, kc, vc, meta = random_case([(5, 1), (20, 1), (33, 3), (7, 20)], block_size=16, head_dim=64,
+                                  num_heads=4, num_kv_heads=2, head_major=True)
+    failures = []
+    for window in (None, 24):
+        try:
+            why = reference_mismatch(kernel(q, kc, vc, meta, 0.125, window),
+                                     paged_attention_reference(q, kc, vc, meta, 0.125, window), 2e-4)
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            failures.append(f"cpu_paged_attention (window {window}): {why}")
+    return failures
