@@ -41,8 +41,6 @@ def test_kernels_needing_avx512_are_unavailable_without_it(monkeypatch: pytest.M
     from engine.spec import mtp_cpu
 
     monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX2_HOST)
-    built: list[str] = []
-    monkeypatch.setattr(cbuild, "build_library", lambda *a, **k: built.append(a[1]))
     for why in (small_gemm.unsupported_reason(), cpu_attention.unsupported_reason(),
                 cbuild.feature_reason(mtp_cpu.CPU_FEATURES)):
         assert why is not None and "avx512f" in why
@@ -52,7 +50,6 @@ def test_kernels_needing_avx512_are_unavailable_without_it(monkeypatch: pytest.M
     assert fn is paged_attention_reference and "avx512f" in label
     with pytest.raises(ValueError, match="avx512f"):
         select_attention("cpu")
-    assert built == []
 
 
 def test_mtp_c_pass_is_unavailable_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
