@@ -13,13 +13,17 @@ array in place (MLX donates a buffer whose only owner is the scatter):
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import mlx.core as mx
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # Requests computing more than this many tokens in a step get their own attention call; shorter ones
 # share one per query length.
@@ -320,32 +324,105 @@ def paged_attention_reference(
     return assemble_groups(q, k_blocks, v_blocks, meta, scale, window, group_attention_reference)
 
 
+def random_case(lens: list[tuple[int, int]], block_size: int, head_dim: int, num_heads: int,
+                num_kv_heads: int, head_major: bool, dtype: mx.Dtype = mx.float32, seed: int = 0
+                ) -> tuple[mx.array, mx.array, mx.array, AttentionMetadata]:
+    """A step of random queries over a random paged cache, for kernel self-tests: `lens` per request
+    (context before the step, tokens this step). Each request's blocks are numbered backwards, so a kernel
+    that ignores the block table reads the wrong keys. Returns q [T, H, D], the key and value caches
+    (head-major [Hkv, slots, D] or block-major [blocks, block_size, Hkv, D]) and the step's metadata."""
+    chunks, first = [], 1  # block 0 stays unused
+    for start, n in lens:
+        nb = -(-(start + n) // block_size)
+        chunks.append((start, n, list(range(first + nb - 1, first - 1, -1))))
+        first += nb
+    meta = build_metadata(chunks, block_size)
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    shape = (num_kv_heads, first * block_size, head_dim) if head_major else \
+        (first, block_size, num_kv_heads, head_dim)
+    k = mx.random.normal(shape, key=k1).astype(dtype)
+    v = mx.random.normal(shape, key=k2).astype(dtype)
+    q = mx.random.normal((meta.num_tokens, num_heads, head_dim), key=k3).astype(dtype)
+    return q, k, v, meta
+
+
+def reference_mismatch(got: mx.array, want: mx.array, tol: float) -> str | None:
+    """Why a kernel's output disagrees with the reference path's (None: it agrees within `tol`, absolute
+    and relative)."""
+    if tuple(got.shape) != tuple(want.shape):
+        return f"output shape {tuple(got.shape)}, the reference path's {tuple(want.shape)}"
+    g = np.array(got.astype(mx.float32))
+    w = np.array(want.astype(mx.float32))
+    if not np.isfinite(g).all():
+        return "non-finite outputs"
+    err = np.abs(g - w) - tol * np.abs(w)
+    if err.max(initial=0.0) > tol:
+        return f"max |difference| {np.abs(g - w).max():.3g} from the reference path (tolerance {tol:g})"
+    return None
+
+
 AttentionBackend = Literal["auto", "metal", "cpu", "reference"]
+# Compiled Metal kernels by name (metal_kernels/ops.py), each called with inputs, template, grid,
+# threadgroup, output shapes and dtypes, init_value.
+KernelSet = Mapping[str, Callable[..., list[mx.array]]]
 
 
-def select_attention(backend: AttentionBackend) -> tuple[Callable[..., mx.array], str]:
+@functools.cache
+def _self_test_failures(backend: str) -> tuple[str, ...]:
+    """The built-in kernels' self-test, run once per process."""
+    if backend == "metal":
+        from metal_kernels.ops import self_test
+    else:
+        from engine.cpu_attention import self_test
+    return tuple(self_test())
+
+
+def _failed_self_test(name: str, backend: AttentionBackend, failures: list[str] | tuple[str, ...]
+                      ) -> tuple[Callable[..., mx.array], str]:
+    """A kernel set that failed its start-up self-test: refused where it was asked for by name, else
+    logged and replaced by the reference path."""
+    msg = f"the {name} attention kernels failed their start-up self-test: {'; '.join(failures)}"
+    if backend == name:
+        raise ValueError(f"--attention-backend {name}: {msg}; use auto or reference")
+    logger.warning("%s; using the reference path (MLX ops) instead", msg)
+    return paged_attention_reference, f"reference (MLX ops; {msg})"
+
+
+def select_attention(backend: AttentionBackend, *, metal_available: bool | None = None,
+                     metal_kernels: KernelSet | None = None, cpu_kernel: Callable[..., mx.array] | None = None
+                     ) -> tuple[Callable[..., mx.array], str]:
     """The attention function for `--attention-backend`, and a label for the start-up log.
 
     `auto` picks the Metal kernels when MLX has a Metal device, else the C kernel on an x86-64 CPU with
     AVX-512F (engine/cpu_attention.py), else the reference path; `metal` or `cpu` where it cannot run is
-    a start-up error, not a silent fallback. The C kernel also needs a float32 head-major cache: the
-    engine checks that (`cpu_attention_fits`)."""
+    a start-up error, not a silent fallback. Either kernel set first runs once on a small random case
+    against the reference path (`self_test`): on an error or a mismatch `auto` logs it and takes the
+    reference path, an explicit `metal` / `cpu` refuses to start. The C kernel also needs a float32
+    head-major cache: the engine checks that (`cpu_attention_fits`). `metal_available`, `metal_kernels`
+    and `cpu_kernel` replace the device check and the kernels under test (tests)."""
     if backend not in ("auto", "metal", "cpu", "reference"):
         raise ValueError(f"attention_backend must be auto, metal, cpu or reference, not {backend!r}")
     if backend == "reference":
         return paged_attention_reference, "reference (MLX ops: KV gather + attention; forced)"
-    if backend == "metal" or (backend == "auto" and mx.metal.is_available()):
-        if not mx.metal.is_available():
+    metal = mx.metal.is_available() if metal_available is None else metal_available
+    if backend == "metal" or (backend == "auto" and metal):
+        if not metal:
             raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
                              "here); use auto or reference")
-        from metal_kernels.ops import paged_attention_metal
+        from metal_kernels.ops import paged_attention_metal, self_test
 
+        failures = _self_test_failures("metal") if metal_kernels is None else self_test(metal_kernels)
+        if failures:
+            return _failed_self_test("metal", backend, failures)
         return paged_attention_metal, ("metal (paged_attention_decode / paged_attention_prefill kernels; "
                                        "prefill chunks over 128 tokens on the gather path)")
     from engine import cpu_attention
 
     why = cpu_attention.unsupported_reason()
     if why is None:
+        failures = _self_test_failures("cpu") if cpu_kernel is None else cpu_attention.self_test(cpu_kernel)
+        if failures:
+            return _failed_self_test("cpu", backend, failures)
         return cpu_attention.cpu_paged_attention, "cpu (engine/cpu_attention.c over the paged cache)"
     if backend == "cpu":
         raise ValueError(f"--attention-backend cpu cannot run here: {why}; use auto or reference")

@@ -19,15 +19,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import AttentionMetadata
-from engine.cbuild import X86_FLAGS, build_library, cpu_has, x86_linux_reason
+from engine.attention import AttentionMetadata, paged_attention_reference, random_case, reference_mismatch
+from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 MAX_THREADS = 64  # threads for a step with ~1 ms of attention work or more (the C code caps at the CPUs)
 
 
@@ -35,11 +37,9 @@ def unsupported_reason() -> str | None:
     """Why the C attention cannot run here (None: it can). The cache layout is checked by the engine."""
     if os.environ.get("SPECSERVE_CPU_ATTENTION", "auto").strip().lower() in ("0", "off", "false", "no"):
         return "SPECSERVE_CPU_ATTENTION=0"
-    why = x86_linux_reason()
+    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
     if why:
         return why
-    if not cpu_has("avx512f"):
-        return "the CPU lacks AVX-512F"
     if mx.metal.is_available() or mx.default_device() != mx.cpu:
         return "MLX runs on a GPU"
     try:
@@ -51,7 +51,7 @@ def unsupported_reason() -> str | None:
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_attention", X86_FLAGS)))
+    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_attention", compile_flags(CPU_FEATURES))))
     fn = lib.cpu_paged_attention
     fn.restype = ctypes.c_int
     i, p = ctypes.c_int, ctypes.c_void_p
@@ -96,3 +96,21 @@ def cpu_paged_attention(
     if rc != 0:
         raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
     return mx.array(out)
+
+
+def self_test(kernel: Callable[..., mx.array] = cpu_paged_attention) -> list[str]:
+    """Run the C attention once on a small random step (decode rows, verification rows, a 20-token chunk;
+    whole context and a sliding window) against the reference path. Returns one line per failure (an
+    error or a mismatch); empty when it passed. `kernel`: what to test (tests pass stand-ins)."""
+    q, kc, vc, meta = random_case([(5, 1), (20, 1), (33, 3), (7, 20)], block_size=16, head_dim=64,
+                                  num_heads=4, num_kv_heads=2, head_major=True)
+    failures = []
+    for window in (None, 24):
+        try:
+            why = reference_mismatch(kernel(q, kc, vc, meta, 0.125, window),
+                                     paged_attention_reference(q, kc, vc, meta, 0.125, window), 2e-4)
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            failures.append(f"cpu_paged_attention (window {window}): {why}")
+    return failures

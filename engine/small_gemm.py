@@ -16,28 +16,29 @@ import ctypes
 from pathlib import Path
 
 from engine import envs
-from engine.cbuild import X86_FLAGS, build_library, x86_linux_reason
+from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 MAX_M = 256
+CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot be used on this machine (None: it can)."""
     if envs.get("SPECSERVE_SMALL_GEMM") == "off":
         return "SPECSERVE_SMALL_GEMM=off"
-    return x86_linux_reason()
+    return x86_linux_reason() or feature_reason(CPU_FEATURES)
 
 
 def build(out_dir: Path | None = None) -> Path:
     """Compile the library if this source version is not built yet; returns its path."""
-    return build_library(SOURCE, "small_gemm", X86_FLAGS, out_dir)
+    return build_library(SOURCE, "small_gemm", compile_flags(CPU_FEATURES), out_dir)
 
 
 def load_before(blas: ctypes.CDLL) -> int:
     """Load the kernel with RTLD_GLOBAL, forwarding every call it does not handle to `blas`
     (already loaded, RTLD_LOCAL). Call before the BLAS is made global and before libmlx loads.
-    Returns the largest row count it handles (0: the CPU lacks AVX-512F, all calls forwarded)."""
+    Returns the largest row count it handles (0: all calls forwarded)."""
     lib = ctypes.CDLL(str(build()), mode=ctypes.RTLD_GLOBAL)
     lib.small_gemm_init.restype = ctypes.c_int
     lib.small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]

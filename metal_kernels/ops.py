@@ -8,12 +8,21 @@ arithmetic the shader runs with.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from engine.attention import AttentionGroup, AttentionMetadata, assemble_groups, group_attention_reference
+from engine.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    KernelSet,
+    assemble_groups,
+    group_attention_reference,
+    random_case,
+    reference_mismatch,
+)
 
 SHADERS = Path(__file__).with_name("shaders")
 LANES = 32  # one SIMD group per (row, head, partition)
@@ -127,7 +136,7 @@ def _source(name: str, tail: str | None = None) -> str:
 
 
 @functools.cache
-def _kernels() -> dict[str, object]:
+def _kernels() -> dict[str, Callable[..., list[mx.array]]]:
     fk = mx.fast.metal_kernel
     inputs = ["q", "k_cache", "v_cache", "block_tables", "q_seq", "q_ctx", "params"]
     return {
@@ -151,9 +160,9 @@ def _kernels() -> dict[str, object]:
 def paged_attention_decode(q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
                            q_seq: mx.array, q_ctx: mx.array, block_size: int, scale: float,
                            softcap: float = 0.0, window: int | None = None, max_ctx: int | None = None,
-                           partition_size: int | None = None) -> mx.array:
+                           partition_size: int | None = None, kernels: KernelSet | None = None) -> mx.array:
     """q [R, H, D]; caches [num_slots, Hkv, D]; block_tables [S, max_blocks]; q_seq/q_ctx [R].
-    Returns [R, H, D] in q's dtype."""
+    Returns [R, H, D] in q's dtype. `kernels`: the compiled kernels (default: the shaders')."""
     R, H, D = q.shape
     bs = block_size
     launch = plan_decode(R, H, D, bs, max_ctx or block_tables.shape[1] * bs, partition_size)
@@ -162,24 +171,24 @@ def paged_attention_decode(q: mx.array, k_cache: mx.array, v_cache: mx.array, bl
                 ("PARTITION_SIZE", launch.partition_size)]
     args = [q, k_cache, v_cache, block_tables.astype(mx.int32), q_seq.astype(mx.int32),
             q_ctx.astype(mx.int32), params]
-    k = _kernels()
+    k = kernels if kernels is not None else _kernels()
     if not launch.split:
-        return k["decode_direct"](inputs=args, template=template, grid=launch.grid,  # type: ignore[operator]
+        return k["decode_direct"](inputs=args, template=template, grid=launch.grid,
                                   threadgroup=launch.threadgroup, output_shapes=[(R, H, D)],
                                   output_dtypes=[q.dtype], init_value=OUTPUT_INIT)[0]
     P = launch.num_partitions
-    acc, mmax, msum = k["decode_split"](  # type: ignore[operator]
+    acc, mmax, msum = k["decode_split"](
         inputs=args, template=template, grid=launch.grid, threadgroup=launch.threadgroup,
         output_shapes=[(R, H, P, D), (R, H, P), (R, H, P)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=OUTPUT_INIT)
-    return k["reduce"](inputs=[acc, mmax, msum], template=[("T", q.dtype), ("HEAD_DIM", D)],  # type: ignore[operator]
+    return k["reduce"](inputs=[acc, mmax, msum], template=[("T", q.dtype), ("HEAD_DIM", D)],
                        grid=launch.reduce_grid, threadgroup=launch.reduce_threadgroup,
                        output_shapes=[(R, H, D)], output_dtypes=[q.dtype], init_value=OUTPUT_INIT)[0]
 
 
 def paged_attention_prefill(q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
                             q_ctx: mx.array, block_size: int, scale: float, softcap: float = 0.0,
-                            window: int | None = None) -> mx.array:
+                            window: int | None = None, kernels: KernelSet | None = None) -> mx.array:
     """q [S * L, H, D] (sequence-major); caches [num_slots, Hkv, D]; block_tables [S, max_blocks];
     q_ctx [S * L]. Returns [S * L, H, D] in q's dtype."""
     rows, H, D = q.shape
@@ -189,7 +198,7 @@ def paged_attention_prefill(q: mx.array, k_cache: mx.array, v_cache: mx.array, b
                       dtype=mx.float32)
     template = [("T", q.dtype), ("HEAD_DIM", D), ("BLOCK_SIZE", block_size), ("Q_TILE", launch.q_tile),
                 ("KV_TILE", launch.kv_tile)]
-    return _kernels()["prefill"](  # type: ignore[operator]
+    return (kernels if kernels is not None else _kernels())["prefill"](
         inputs=[q, k_cache, v_cache, block_tables.astype(mx.int32), q_ctx.astype(mx.int32), params],
         template=template, grid=launch.grid, threadgroup=launch.threadgroup, output_shapes=[(rows, H, D)],
         output_dtypes=[q.dtype], init_value=OUTPUT_INIT)[0]
@@ -203,10 +212,10 @@ def slot_to_token(slot_mapping: mx.array, num_slots: int) -> mx.array:
 
 
 def reshape_and_cache(key: mx.array, value: mx.array, key_cache: mx.array, value_cache: mx.array,
-                      slot_mapping: mx.array) -> tuple[mx.array, mx.array]:
+                      slot_mapping: mx.array, kernels: KernelSet | None = None) -> tuple[mx.array, mx.array]:
     """key/value [T, Hkv, D] into caches [num_slots, Hkv, D]; returns the updated caches."""
     n = key_cache.size
-    out = _kernels()["cache"](  # type: ignore[operator]
+    out = (kernels if kernels is not None else _kernels())["cache"](
         inputs=[key.astype(key_cache.dtype), value.astype(value_cache.dtype), key_cache, value_cache,
                 slot_to_token(slot_mapping, key_cache.shape[0])],
         template=[("HEAD_DIM", key_cache.shape[2])], grid=(n, 1, 1), threadgroup=(256, 1, 1),
@@ -216,10 +225,12 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache: mx.array, value
 
 
 def group_attention_metal(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, g: AttentionGroup,
-                          scale: float, window: int | None = None) -> mx.array:
+                          scale: float, window: int | None = None, *, kernels: KernelSet | None = None,
+                          partition_size: int | None = None) -> mx.array:
     """The engine's per-group attention on Metal: decode/verification groups go to the decode kernel,
     prefill chunks up to PREFILL_KERNEL_MAX_QUERY_LEN tokens to the prefill kernel (neither gathers a
-    contiguous copy of the blocks), longer chunks to the gather path."""
+    contiguous copy of the blocks), longer chunks to the gather path. `partition_size` forces the
+    split-KV decode variant (self-test)."""
     nb, bs, hkv, d = k_blocks.shape
     if g.max_len > PREFILL_KERNEL_MAX_QUERY_LEN or d not in HEAD_DIMS:
         return group_attention_reference(q, k_blocks, v_blocks, g, scale, window)
@@ -227,11 +238,63 @@ def group_attention_metal(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, g
     seq, ctx = group_rows(g)
     k_flat, v_flat = k_blocks.reshape(nb * bs, hkv, d), v_blocks.reshape(nb * bs, hkv, d)
     if g.max_len > DECODE_MAX_QUERY_LEN:
-        return paged_attention_prefill(rows, k_flat, v_flat, g.block_tables, ctx, bs, scale, window=window)
+        return paged_attention_prefill(rows, k_flat, v_flat, g.block_tables, ctx, bs, scale, window=window,
+                                       kernels=kernels)
     return paged_attention_decode(rows, k_flat, v_flat, g.block_tables, seq, ctx, bs, scale,
-                                  window=window, max_ctx=g.block_tables.shape[1] * bs)
+                                  window=window, max_ctx=g.block_tables.shape[1] * bs,
+                                  partition_size=partition_size, kernels=kernels)
 
 
 def paged_attention_metal(q: mx.array, k_blocks: mx.array, v_blocks: mx.array, meta: AttentionMetadata,
                           scale: float, window: int | None = None) -> mx.array:
     return assemble_groups(q, k_blocks, v_blocks, meta, scale, window, group_attention_metal)
+
+
+# Tolerance of a self-test comparison with the reference path, per dtype (the kernels accumulate in
+# float32; the reference rounds in the model dtype).
+SELF_TEST_TOL = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 5e-2}
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def self_test(kernels: KernelSet | None = None,
+              dtypes: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)) -> list[str]:
+    """Run each kernel once per dtype on a small random step against the reference path (MLX ops):
+    decode rows and verification rows (direct decode kernel; split-KV kernel + reduce, with a sliding
+    window), a 20-token chunk (prefill kernel), a cache write. Returns one line per kernel that failed to
+    compile, raised or disagreed; empty when all passed. `kernels`: the compiled kernels (default: the
+    shaders'); tests pass stand-ins."""
+    failures: list[str] = []
+    checks = (("decode", None, None), ("decode_split + reduce", 16, 24), ("prefill", None, None))
+    for dtype in dtypes:
+        tol = SELF_TEST_TOL.get(dtype, 5e-2)
+        q, kb, vb, meta = random_case([(5, 1), (20, 1), (33, 3), (7, 20)], block_size=16, head_dim=64,
+                                      num_heads=4, num_kv_heads=2, head_major=False, dtype=dtype)
+        for name, partition, window in checks:
+            groups = [g for g in meta.groups if (g.max_len > DECODE_MAX_QUERY_LEN) == (name == "prefill")]
+            try:
+                for g in groups:
+                    got = group_attention_metal(q, kb, vb, g, 0.125, window, kernels=kernels,
+                                                partition_size=partition)
+                    why = reference_mismatch(got, group_attention_reference(q, kb, vb, g, 0.125, window), tol)
+                    if why:
+                        failures.append(f"{name} ({_dtype_name(dtype)}): {why}")
+                        break
+            except Exception as e:  # a compile error surfaces here, at the first evaluation
+                failures.append(f"{name} ({_dtype_name(dtype)}): {type(e).__name__}: {e}")
+        try:
+            nb, bs, hkv, d = kb.shape
+            slots = mx.array([0, bs - 1, bs, 3 * bs + 2], dtype=mx.int32)
+            k_new, v_new = q[:4, :hkv], q[4:8, :hkv]
+            k_flat, v_flat = kb.reshape(-1, hkv, d), vb.reshape(-1, hkv, d)
+            k_out, v_out = reshape_and_cache(k_new, v_new, k_flat, v_flat, slots, kernels=kernels)
+            k_want, v_want = mx.array(k_flat), mx.array(v_flat)
+            k_want[slots], v_want[slots] = k_new, v_new
+            why = reference_mismatch(k_out, k_want, 0.0) or reference_mismatch(v_out, v_want, 0.0)
+            if why:
+                failures.append(f"reshape_and_cache ({_dtype_name(dtype)}): {why}")
+        except Exception as e:
+            failures.append(f"reshape_and_cache ({_dtype_name(dtype)}): {type(e).__name__}: {e}")
+    return failures

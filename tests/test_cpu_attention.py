@@ -118,3 +118,32 @@ def test_refuses_what_it_cannot_compute() -> None:
     meta = build_metadata([(0, 1, [0])], 16)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_paged_attention(mx.zeros((1, 4, 24)), cache.k[0], cache.v[0], meta, 0.2)
+
+
+@needs_kernel
+def test_self_test_passes_and_the_kernel_is_selected() -> None:
+    from engine import cpu_attention
+
+    assert cpu_attention.self_test() == []
+    assert select_attention("auto")[0] is cpu_paged_attention
+
+
+def _shifted(*args: object) -> mx.array:
+    return cpu_paged_attention(*args) + 1e-2  # type: ignore[arg-type]
+
+
+def _raises(*args: object) -> mx.array:
+    raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel", [_shifted, _raises], ids=["mismatch", "error"])
+def test_failing_kernel_falls_back_or_refuses(kernel, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """A C kernel that disagrees with the reference path (a miscompile, a CPU bug) or fails on the
+    start-up case: `auto` logs it and runs the reference path, `--attention-backend cpu` refuses."""
+    with caplog.at_level(logging.WARNING, logger="engine.attention"):
+        fn, label = select_attention("auto", cpu_kernel=kernel)
+    assert fn is paged_attention_reference and "cpu_paged_attention (window None)" in label
+    assert any("self-test" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="--attention-backend cpu: the cpu attention kernels failed"):
+        select_attention("cpu", cpu_kernel=kernel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -335,6 +336,9 @@ class _EmulatedKernel:
             assert launch.reduce_grid == tuple(grid) and launch.reduce_threadgroup == tuple(threadgroup)
             outs = [emulate.paged_attention_reduce(acc.reshape(-1), mmax.reshape(-1), msum.reshape(-1),
                                                    launch)]
+        elif self.name == "cache":
+            key, value, kc, vc, inv = a
+            outs = list(emulate.reshape_and_cache(key, value, kc, vc, inv))
         else:  # decode_direct / decode_split
             q, kc, vc, tables, seq, ctx, params = a
             launch = DecodeLaunch(grid[2], grid[1], t["HEAD_DIM"], t["BLOCK_SIZE"], t["PARTITION_SIZE"],
@@ -380,6 +384,62 @@ def test_metal_dispatch_with_emulated_kernels_matches_reference(monkeypatch: pyt
     out = ops.paged_attention_metal(q, kb, vb, meta, 0.125, window)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=2e-5, atol=2e-5)
     assert calls == ["decode_split", "reduce", "decode_direct"]  # the short verification group: direct
+
+
+KERNEL_NAMES = ("decode_direct", "decode_split", "reduce", "prefill", "cache")
+
+
+def _emulated_kernels(**replace: object) -> dict[str, object]:
+    return {n: replace.get(n, _EmulatedKernel(n)) for n in KERNEL_NAMES}
+
+
+def _fails_to_compile(**kw: object) -> list[mx.array]:
+    raise RuntimeError("[metal::Device] Unable to build metal library from source: error: use of "
+                       "undeclared identifier 'simd_sum'")
+
+
+def _off_by_a_little(name: str) -> object:
+    """The emulated kernel with every output shifted: runs, but disagrees with the reference path."""
+    k = _EmulatedKernel(name)
+    return lambda **kw: [o + 0.5 for o in k(**kw)]
+
+
+def test_self_test_passes_kernels_that_compute_the_reference() -> None:
+    """The start-up self-test with the NumPy emulation standing in for the compiled kernels (what a
+    correct GPU computes): every kernel passes, and `auto` on a Metal machine picks the kernels."""
+    from metal_kernels import ops
+
+    assert ops.self_test(_emulated_kernels()) == []
+    fn, label = select_attention("auto", metal_available=True, metal_kernels=_emulated_kernels())
+    assert fn is ops.paged_attention_metal and label.startswith("metal")
+
+
+# (kernel replaced, how it fails, the self-test check that must name it)
+BROKEN = [("prefill", "compile error", "prefill"), ("decode_direct", "compile error", "decode"),
+          ("decode_direct", "mismatch", "decode"), ("decode_split", "mismatch", "decode_split + reduce"),
+          ("reduce", "mismatch", "decode_split + reduce"), ("prefill", "mismatch", "prefill"),
+          ("cache", "mismatch", "reshape_and_cache")]
+
+
+@pytest.mark.parametrize(("kernel", "how", "check"), BROKEN)
+def test_broken_kernel_falls_back_or_refuses(kernel: str, how: str, check: str,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Untested hardware fails safe: a kernel that does not compile or disagrees with the reference path
+    is named in the log and `auto` takes the reference path; `--attention-backend metal` refuses."""
+    from metal_kernels import ops
+
+    broken = _fails_to_compile if how == "compile error" else _off_by_a_little(kernel)
+    kernels = _emulated_kernels(**{kernel: broken})
+    failures = ops.self_test(kernels, dtypes=(mx.float32,))
+    assert failures and all(f.startswith(f"{check} (") for f in failures), failures
+    assert ("Unable to build metal library" if how == "compile error" else "from the reference path") \
+        in failures[0]
+    with caplog.at_level(logging.WARNING, logger="engine.attention"):
+        fn, label = select_attention("auto", metal_available=True, metal_kernels=kernels)
+    assert fn is paged_attention_reference and label.startswith("reference") and f"{check} (" in label
+    assert any("self-test" in r.getMessage() and f"{check} (" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"--attention-backend metal: .*self-test: " + re.escape(check)):
+        select_attention("metal", metal_available=True, metal_kernels=kernels)
 
 
 # -- the real kernels (Apple GPUs) --------------------------------------------------------------------

@@ -249,3 +249,25 @@ def test_wrong_model_type_and_target(tmp_path: Path) -> None:
                             "folder", mx.float32)
     with pytest.raises(MTPAssistantError, match="model_type mismatch"):
         load_assistant(str(adir), smol_like)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("out of range", "token_ordering: token id 49152 is outside the vocabulary [0, 49152)"),
+    ("negative", "token_ordering: token id -1 is outside"),
+    ("missing", "lack masked_embedding.token_ordering"),
+], ids=["out-of-range", "negative", "missing"])
+def test_centroid_head_token_ordering_is_checked(tmp_path: Path, case: str, message: str) -> None:
+    """The centroid head gathers embedding rows with `token_ordering`: ids outside the vocabulary (an
+    unchecked read past the table) or a missing tensor are refused at load."""
+    tdir, adir, _, _ = make_pair(tmp_path, ordered=True)
+    loaded = load_model(str(tdir), dtype="float32", progress=False)
+    weights = dict(mx.load(str(adir / "model.safetensors")))
+    order = weights["masked_embedding.token_ordering"]
+    if case == "missing":
+        del weights["masked_embedding.token_ordering"]
+    else:
+        weights["masked_embedding.token_ordering"] = mx.concatenate(
+            [mx.array([VOCAB if case == "out of range" else -1], dtype=order.dtype), order[1:]])
+    mx.save_safetensors(str(adir / "model.safetensors"), weights)
+    with pytest.raises(MTPAssistantError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        load_assistant(str(adir), loaded)

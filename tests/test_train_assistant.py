@@ -234,3 +234,66 @@ def test_cli_defaults_are_the_settings_defaults() -> None:
     draft = parser.parse_args(["train-draft", "--out", "d", "--num-layers", "2", "--max-prompts", "5"])
     assert DraftSettings(**given(draft, "num_layers", "steps")) == DraftSettings(num_layers=2)
     assert given(draft, "max_prompts") == {"max_prompts": 5}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (LoadedModel, Path)
+    """A tiny llama target (4 heads, 2 KV heads, head_dim 16, hidden 64) and a valid trained assistant."""
+    from engine.models.mtp_trained import save_trained
+
+    root = tmp_path_factory.mktemp("pair")
+    target = load_model(str(make_tiny_folder("llama", root)), dtype="float32", progress=False)
+    net = init_from_target(target, list(range(100, 196)), len(target.model.layers) - 1)
+    save_trained(net, root / "assistant", dtype=mx.float32)
+    return target, root / "assistant"
+
+
+def _set(weights: dict, key: str, value: object) -> None:
+    weights[key] = value
+
+
+# (what is corrupted, edit of (config, weights), words the refusal must contain: the field and both values)
+CORRUPT = {
+    "kv heads": (lambda c, w: c.update(num_key_value_heads=1), ["num_key_value_heads", " 1 ", "target 2"]),
+    "hidden size": (lambda c, w: c.update(hidden_size=32),
+                    ["pre_projection.weight", "hidden_size", "(64, 128)", "(32, 128)"]),
+    "head size": (lambda c, w: c.update(head_size=95), ["head.weight", "head_size", "(96, 64)", "(95, 64)"]),
+    "config field missing": (lambda c, w: c.pop("head_dim"), ["head_dim"]),
+    "vocab id past the vocabulary": (lambda c, w: _set(w, "vocab_ids", mx.concatenate(
+        [mx.array([49152], dtype=mx.int32), w["vocab_ids"][1:]])), ["vocab_ids", "49152", "[0, 49152)"]),
+    "negative vocab id": (lambda c, w: _set(w, "vocab_ids", mx.concatenate(
+        [w["vocab_ids"][:3], mx.array([-5], dtype=mx.int32), w["vocab_ids"][4:]])), ["vocab_ids", "-5"]),
+    "float vocab ids": (lambda c, w: _set(w, "vocab_ids", w["vocab_ids"].astype(mx.float32)),
+                        ["vocab_ids", "float32", "integer"]),
+    "vocab ids missing": (lambda c, w: w.pop("vocab_ids"), ["vocab_ids"]),
+    "weight of the wrong shape": (lambda c, w: _set(w, "mlp.up_proj.weight", mx.zeros((22, 64))),
+                                  ["mlp.up_proj.weight", "(22, 64)", "(21, 64)", "intermediate_size"]),
+    "missing weight": (lambda c, w: w.pop("mlp.down_proj.weight"), ["mlp.down_proj.weight", "lacks"]),
+    "extra weight": (lambda c, w: _set(w, "mlp.extra.weight", mx.zeros((4, 4))), ["mlp.extra.weight"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_corrupt_checkpoint_is_refused_at_load(tiny_pair, tmp_path: Path, case: str) -> None:  # noqa: ANN001
+    """One thing wrong at a time in a valid checkpoint: refused at load with the field and both values
+    named, before anything reaches the C draft loop (which indexes the target's KV and embedding)."""
+    from engine.models.mtp_assistant import MTPAssistantError
+
+    target, valid = tiny_pair
+    assert load_assistant(str(valid), target).head_token_ids is not None  # the uncorrupted one loads
+    edit, words = CORRUPT[case]
+    config = json.loads((valid / "config.json").read_text())
+    weights = dict(mx.load(str(valid / "model.safetensors")))
+    edit(config, weights)
+    bad = tmp_path / "assistant"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(bad / "model.safetensors"), weights)
+    with pytest.raises(MTPAssistantError) as err:
+        load_assistant(str(bad), target)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    if case == "kv heads":  # the engine refuses to start: no fallback to plain decoding
+        with pytest.raises(ValueError, match="num_key_value_heads"):
+            LLM(loaded=target, speculative_config={"method": "mtp", "model": str(bad)},
+                kv_cache_memory="16MiB", max_model_len=256, block_size=8, show_progress=False)

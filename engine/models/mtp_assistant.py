@@ -134,6 +134,24 @@ def _read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
+def _token_ordering(order: mx.array | None, net: Gemma4Assistant) -> mx.array:
+    """The centroid head's token ids ([vocab]): the logits gather embedding rows with them."""
+    vocab, n_c = net.text_args.vocab_size, net.centroids.weight.shape[0]
+    top_k = int(net.config.get("centroid_intermediate_top_k", 32))
+    if order is None:
+        raise _fail("use_ordered_embeddings is set but the weights lack masked_embedding.token_ordering")
+    if tuple(order.shape) != (vocab,) or not mx.issubdtype(order.dtype, mx.integer):
+        raise _fail(f"token_ordering: shape {tuple(order.shape)} {order.dtype}, expected ({vocab},) "
+                    f"integer ids (vocab_size {vocab})")
+    lo, hi = int(order.min().item()), int(order.max().item())
+    if lo < 0 or hi >= vocab:
+        raise _fail(f"token_ordering: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+    if n_c <= 0 or vocab % n_c or not 0 < top_k <= n_c:
+        raise _fail(f"num_centroids {n_c} must divide vocab_size {vocab} and be at least "
+                    f"centroid_intermediate_top_k {top_k}")
+    return order.astype(mx.int32)
+
+
 def check_assistant_config(config: dict, target: nn.Module, target_config: dict) -> Any:
     """Start-up checks (no fallback); returns the assistant's mlx-lm text args."""
     from mlx_lm.models.gemma4_text import ModelArgs
@@ -217,7 +235,7 @@ def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
         else:
             weights[k] = v
     if net.use_ordered:
-        weights["token_ordering"] = weights["token_ordering"].astype(mx.int32)
+        weights["token_ordering"] = _token_ordering(weights.get("token_ordering"), net)
     try:
         net.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -232,28 +250,32 @@ def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
 
 
 def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssistant:
-    """A `specserve train-assistant` checkpoint: checked against the target it was trained on."""
-    from engine.models.mtp_trained import load_trained
+    """A `specserve train-assistant` checkpoint: checked against the target it was trained on. The C draft
+    loop (engine/spec/mtp_cpu.c) indexes the target's KV cache and embedding with these sizes and ids."""
+    from engine.models.mtp_trained import check_config, load_trained
 
     targs = target.model.args
     tmt = target.config.get("model_type")
     if config.get("target_model_type") != tmt:
         want = config.get("target_model_type")
         raise _fail(f"model_type mismatch: the assistant was trained for a {want!r} target, not {tmt!r}")
-    if int(config["vocab_size"]) != target.vocab_size:
-        raise _fail(f"vocabulary size mismatch: assistant {config['vocab_size']} vs target "
-                    f"{target.vocab_size}")
-    if int(config["backbone_hidden_size"]) != targs.hidden_size:
-        raise _fail(f"hidden size mismatch: assistant backbone_hidden_size "
-                    f"{config['backbone_hidden_size']} vs target hidden_size {targs.hidden_size}")
+    try:
+        check_config(config)
+    except ValueError as e:
+        raise _fail(f"{folder / 'config.json'}: {e}") from e
     n_kv, head_dim = adapter.kv_shape(target.model)
-    layer = int(config["target_layer"])
-    if not 0 <= layer < len(target.model.layers) or int(config["head_dim"]) != head_dim \
-            or int(config["num_attention_heads"]) % n_kv:
-        raise _fail(f"architecture mismatch: the assistant reads target layer {layer} with head_dim "
-                    f"{config['head_dim']}; the target has {len(target.model.layers)} layers, head_dim "
-                    f"{head_dim}, {n_kv} KV heads")
-    net = load_trained(folder, config, target.dtype)
+    for what, key, want in (("vocabulary size", "vocab_size", target.vocab_size),
+                            ("hidden size", "backbone_hidden_size", targs.hidden_size),
+                            ("KV heads", "num_key_value_heads", n_kv), ("head size", "head_dim", head_dim)):
+        if int(config[key]) != want:
+            raise _fail(f"{what} mismatch: assistant {key} {config[key]} vs target {want}")
+    layer, n_layers = config.get("target_layer"), len(target.model.layers)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise _fail(f"target_layer {layer!r} is not a layer of the target (0 to {n_layers - 1})")
+    try:
+        net = load_trained(folder, config, target.dtype)
+    except ValueError as e:
+        raise _fail(f"checkpoint {folder}: {e}") from e
     return LoadedAssistant(module=net, target_layers=[layer], windows=[None], path=str(folder),  # type: ignore[arg-type]
                            head_token_ids=net.vocab_ids)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 TRAINED_TYPE = "specserve_mtp"
 
@@ -101,8 +102,6 @@ class TrainedAssistant(nn.Module):
 
 
 def save_trained(net: TrainedAssistant, folder: Path, dtype: mx.Dtype = mx.float16) -> None:
-    from mlx.utils import tree_flatten
-
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: (v if k == "vocab_ids" else v.astype(dtype)) for k, v in tree_flatten(net.parameters())}
     weights["vocab_ids"] = net.vocab_ids
@@ -110,11 +109,80 @@ def save_trained(net: TrainedAssistant, folder: Path, dtype: mx.Dtype = mx.float
     (folder / "config.json").write_text(json.dumps(net.config, indent=1) + "\n")
 
 
+# The config fields behind each tensor's shape, for the message when a checkpoint disagrees.
+_SHAPE_FIELDS = {
+    "pre_projection.weight": "hidden_size, 2 x backbone_hidden_size",
+    "post_projection.weight": "backbone_hidden_size, hidden_size",
+    "self_attn.q_proj.weight": "num_attention_heads x head_dim, hidden_size",
+    "self_attn.o_proj.weight": "hidden_size, num_attention_heads x head_dim",
+    "mlp.gate_proj.weight": "intermediate_size, hidden_size",
+    "mlp.up_proj.weight": "intermediate_size, hidden_size",
+    "mlp.down_proj.weight": "hidden_size, intermediate_size",
+    "head.weight": "head_size, hidden_size",
+    "vocab_ids": "head_size",
+}
+_INT_FIELDS = ("vocab_size", "backbone_hidden_size", "hidden_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "intermediate_size", "head_size")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def check_config(config: dict) -> None:
+    """Every size field present, a positive integer, and consistent; raises ValueError naming the field."""
+    for key in (*_INT_FIELDS, *_FLOAT_FIELDS):
+        if key not in config:
+            raise ValueError(f"config.json lacks {key!r}")
+        v = config[key]
+        kind = "integer" if key in _INT_FIELDS else "number"
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        if not number or not v > 0 or (kind == "integer" and v != int(v)):
+            raise ValueError(f"config.json {key}: {v!r} is not a positive {kind}")
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if int(config["head_dim"]) % 2:
+        raise ValueError(f"head_dim {config['head_dim']} is odd (RoPE rotates halves)")
+    if int(config["head_size"]) > int(config["vocab_size"]):
+        raise ValueError(f"head_size {config['head_size']} is larger than vocab_size {config['vocab_size']}")
+
+
+def check_weights(net: TrainedAssistant, weights: dict[str, mx.array], source: str) -> None:
+    """The checkpoint holds exactly the tensors `net`'s config implies, each with its shape and a float
+    dtype (`vocab_ids`: integer ids in [0, vocab_size)); raises ValueError naming the tensor."""
+    want = dict(tree_flatten(net.parameters()))
+    missing = sorted(want.keys() - weights.keys())
+    if missing:
+        raise ValueError(f"{source} lacks weight(s) {missing}")
+    extra = sorted(weights.keys() - want.keys())
+    if extra:
+        raise ValueError(f"{source} has weight(s) {extra} that a {TRAINED_TYPE} assistant does not have")
+    for k, w in want.items():
+        got = weights[k]
+        if got.shape != w.shape:
+            why = f" ({_SHAPE_FIELDS[k]})" if k in _SHAPE_FIELDS else ""
+            raise ValueError(f"weight {k}: shape {tuple(got.shape)} in {source}, config.json implies "
+                             f"{tuple(w.shape)}{why}")
+        integer = mx.issubdtype(got.dtype, mx.integer)
+        if (k == "vocab_ids") != integer or not (integer or mx.issubdtype(got.dtype, mx.floating)):
+            kind = "integer" if k == "vocab_ids" else "floating-point"
+            raise ValueError(f"weight {k}: dtype {got.dtype} in {source}, not {kind}")
+    ids, vocab = weights["vocab_ids"], int(net.config["vocab_size"])
+    lo, hi = (int(x.item()) for x in (ids.min(), ids.max())) if ids.size else (0, 0)
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"vocab_ids: token id {bad} in {source} is outside the vocabulary [0, {vocab}) "
+                         f"(vocab_size {vocab})")
+
+
 def load_trained(folder: Path, config: dict, dtype: mx.Dtype) -> TrainedAssistant:
+    """Build the assistant `config` describes and load its checkpoint strictly (every tensor present,
+    no other, each of the implied shape); raises ValueError naming what disagrees."""
+    check_config(config)
     net = TrainedAssistant(config)
-    weights = mx.load(str(folder / "model.safetensors"))
-    ids = weights.pop("vocab_ids").astype(mx.int32)
-    net.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=False)
-    net.vocab_ids = ids
-    mx.eval(net.parameters(), net.vocab_ids)
+    file = folder / "model.safetensors"
+    if not file.is_file():
+        raise ValueError(f"no model.safetensors in {folder}")
+    weights = mx.load(str(file))
+    check_weights(net, weights, file.name)
+    net.load_weights([(k, v.astype(mx.int32 if k == "vocab_ids" else dtype)) for k, v in weights.items()])
+    mx.eval(net.parameters())
     return net

@@ -19,11 +19,12 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.attention import PagedKVCache
-from engine.cbuild import X86_FLAGS, build_library, cpu_has, x86_linux_reason
+from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
 from engine.models.mtp_assistant import LoadedAssistant
 from engine.models.mtp_trained import TrainedAssistant
 
 SOURCE = Path(__file__).with_name("mtp_cpu.c")
+CPU_FEATURES = ("avx512f", "fma", "f16c")  # what the loop is compiled for (/proc/cpuinfo names)
 
 
 class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
@@ -39,11 +40,9 @@ def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.M
     embedding."""
     if os.environ.get("SPECSERVE_MTP_CPU", "auto").strip().lower() in ("0", "off", "false", "no"):
         return "SPECSERVE_MTP_CPU=0"
-    why = x86_linux_reason()
+    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
     if why:
         return why
-    if not (cpu_has("avx512f") and cpu_has("f16c")):
-        return "the CPU lacks AVX-512F or F16C"
     if mx.default_device() != mx.cpu:
         return "MLX runs on a GPU"
     net = assistant.module
@@ -70,7 +69,7 @@ class CpuAssistant:
         """`embed`: the target's token embedding, a float32 table (`unsupported_reason` checked)."""
         table = embedding_table(embed)
         assert table is not None
-        self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", X86_FLAGS)))
+        self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", compile_flags(CPU_FEATURES))))
         self.lib.mtp_draft.restype = ctypes.c_int
         c = net.config
         self.backbone = int(c["backbone_hidden_size"])
@@ -89,6 +88,11 @@ class CpuAssistant:
         self.embed = table
         self.embed_scale = ctypes.c_float(embed_scale)
         self.head_ids = np.ascontiguousarray(np.asarray(net.vocab_ids), dtype=np.int32)
+        # The loop reads embedding rows by head id and backbone columns each (checked at load too).
+        if table.shape[1] != self.backbone or not 0 <= int(self.head_ids.min()) <= int(self.head_ids.max()) \
+                < table.shape[0]:
+            raise ValueError(f"the target's embedding table {table.shape} does not fit the assistant "
+                             f"(backbone_hidden_size {self.backbone}, vocab_ids up to {self.head_ids.max()})")
 
     def draft(self, tokens: list[int], hidden: np.ndarray, positions: list[int], tables: np.ndarray,
               block_size: int, keys: mx.array, values: mx.array, cuts: list[float], want: list[int]
@@ -105,6 +109,10 @@ class CpuAssistant:
         wanted = np.array(want, dtype=np.int32)
         k = np.asarray(memoryview(keys))  # zero-copy views of the evaluated cache
         v = np.asarray(memoryview(values))
+        # The C loop reads [kv_heads, slots, head_dim] with the checkpoint's sizes (checked at load).
+        if k.shape != v.shape or k.shape[0] != self.spec.kv_heads or k.shape[2] != self.spec.head_dim:
+            raise ValueError(f"mtp_draft: KV cache {k.shape} does not match the assistant's "
+                             f"{self.spec.kv_heads} KV heads x {self.spec.head_dim}")
         out = np.empty((n, max_k), dtype=np.int32)
         lengths = np.empty(n, dtype=np.int32)
         rc = self.lib.mtp_draft(

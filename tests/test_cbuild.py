@@ -1,0 +1,169 @@
+"""engine/cbuild.py: C kernels are compiled only for the features the CPU reports, the kernels that need
+AVX-512 report themselves unavailable (and their callers fall back) on a CPU without it, and a cached
+library is loaded only from folders nobody else can write."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine import cbuild, cpu_attention, small_gemm
+from engine.attention import paged_attention_reference, select_attention
+
+AVX2_HOST = frozenset(["sse", "sse2", "avx", "avx2", "fma", "f16c"])
+AVX512_HOST = AVX2_HOST | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def test_compile_flags_follow_the_reported_features() -> None:
+    flags = cbuild.compile_flags(small_gemm.CPU_FEATURES, AVX512_HOST)
+    assert "-mavx512f" in flags and "-mno-avx512f" not in flags
+    # Without AVX-512 nothing asks for it, and -march=native is told not to use it either.
+    flags = cbuild.compile_flags(("fma",), AVX2_HOST)
+    assert "-mavx512f" not in flags and "-mno-avx512f" in flags
+    assert "-mno-avx2" not in flags and "-mno-fma" not in flags
+    assert {"-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"} <= set(cbuild.compile_flags((), frozenset()))
+    for required in (small_gemm.CPU_FEATURES, cpu_attention.CPU_FEATURES):
+        with pytest.raises(RuntimeError, match="avx512f"):
+            cbuild.compile_flags(required, AVX2_HOST)
+
+
+def test_kernels_needing_avx512_are_unavailable_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU whose /proc/cpuinfo lacks avx512f: no kernel is built, each reports why, and the attention
+    selector falls back to the reference path (an explicit `cpu` backend is refused)."""
+    from engine.spec import mtp_cpu
+
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX2_HOST)
+    for why in (small_gemm.unsupported_reason(), cpu_attention.unsupported_reason(),
+                cbuild.feature_reason(mtp_cpu.CPU_FEATURES)):
+        assert why is not None and "avx512f" in why
+    with pytest.raises(RuntimeError, match="avx512f"):
+        small_gemm.build()
+    fn, label = select_attention("auto")
+    assert fn is paged_attention_reference and "avx512f" in label
+    with pytest.raises(ValueError, match="avx512f"):
+        select_attention("cpu")
+
+
+def test_mtp_c_pass_is_unavailable_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.spec import mtp_cpu
+
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX2_HOST)
+    # The feature check comes before anything about the assistant is looked at.
+    why = mtp_cpu.unsupported_reason(None, None, None)  # type: ignore[arg-type]
+    assert why is not None and "avx512f" in why
+
+
+SOURCE = "int answer(void) { return %d; }\n"
+
+
+@pytest.fixture
+def tiny_source(tmp_path: Path) -> Path:
+    src = tmp_path / "answer.c"
+    src.write_text(SOURCE % 42)
+    return src
+
+
+def _answer(path: Path) -> int:
+    return ctypes.CDLL(str(path)).answer()
+
+
+def _plant(lib: Path, tmp_path: Path) -> None:
+    """Replace the cached library with another one (what an attacker who can write there would do)."""
+    evil = tmp_path / "evil.c"
+    evil.write_text(SOURCE % 666)
+    subprocess.run(["cc", "-shared", "-fPIC", str(evil), "-o", str(lib)], check=True)
+
+
+def _chmod(mode: int) -> Callable[[Path, Path], None]:
+    return lambda lib, folder: os.chmod(folder, mode)
+
+
+def _chown_lib(lib: Path, folder: Path) -> None:
+    os.chown(lib, 65534, 65534)
+
+
+def _chown_folder(lib: Path, folder: Path) -> None:
+    os.chown(folder, 65534, 65534)
+
+
+def _group_writable_lib(lib: Path, folder: Path) -> None:
+    os.chmod(lib, 0o775)
+
+
+def _symlink(lib: Path, folder: Path) -> None:
+    real = folder.parent / "elsewhere.so"
+    shutil.move(lib, real)
+    lib.symlink_to(real)
+
+
+UNSAFE = {
+    "world-writable folder": (_chmod(0o777), "writable by group or others"),
+    "group-writable folder": (_chmod(0o770), "writable by group or others"),
+    "group-writable library": (_group_writable_lib, "writable by group or others"),
+    "library owned by another user": (_chown_lib, "owned by uid 65534"),
+    "folder owned by another user": (_chown_folder, "owned by uid 65534"),
+    "library is a symlink": (_symlink, "symbolic link"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSAFE))
+def test_cached_library_in_an_unsafe_place_is_refused(case: str, tiny_source: Path, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    corrupt, reason = UNSAFE[case]
+    if "owned by" in case and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    folder = tmp_path / "cache"
+    flags = ["-O2", "-fPIC", "-shared"]
+    lib = cbuild.build_library(tiny_source, "answer", flags, folder)
+    assert lib.parent == folder and _answer(lib) == 42
+    assert cbuild.build_library(tiny_source, "answer", flags, folder) == lib  # safe: reused as it is
+    _plant(lib, tmp_path)
+    corrupt(lib, folder)
+    with caplog.at_level(logging.WARNING, logger="engine.cbuild"):
+        again = cbuild.build_library(tiny_source, "answer", flags, folder)
+    assert again != lib and folder not in again.parents
+    assert _answer(again) == 42  # rebuilt from source, the planted library never loaded
+    st = os.stat(again.parent)
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+    assert any(reason in r.getMessage() and "not loading" in r.getMessage() for r in caplog.records)
+
+
+def test_unsafe_cache_root_is_refused_before_building(tiny_source: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The cache folders are created 0700; a cache root that others can write is not built into."""
+    root = tmp_path / "specserve-cache"
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(root))
+    lib = cbuild.build_library(tiny_source, "answer", ["-fPIC", "-shared"])
+    assert lib.parent == root / "kernels"
+    for d in (root, root / "kernels"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    shutil.rmtree(root / "kernels")
+    os.chmod(root, 0o777)  # the parent of the kernels folder, inside the cache root
+    with caplog.at_level(logging.WARNING, logger="engine.cbuild"):
+        other = cbuild.build_library(tiny_source, "answer", ["-fPIC", "-shared"])
+    assert root not in other.parents and _answer(other) == 42
+    assert any("writable by group or others" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) not installed")
+def test_built_kernels_are_hardened() -> None:
+    """Full RELRO (read-only relocations, symbols bound at load) and the stack protector in the
+    library the engine builds."""
+    if cpu_attention.unsupported_reason() is not None:
+        pytest.skip(f"C attention unavailable here: {cpu_attention.unsupported_reason()}")
+    flags = cbuild.compile_flags(cpu_attention.CPU_FEATURES)
+    lib = cbuild.build_library(cpu_attention.SOURCE, "cpu_attention", flags)
+    dyn = subprocess.run(["readelf", "-d", "-W", str(lib)], capture_output=True, text=True, check=True).stdout
+    assert "BIND_NOW" in dyn
+    segments = subprocess.run(["readelf", "-l", "-W", str(lib)], capture_output=True, text=True,
+                              check=True).stdout
+    assert "GNU_RELRO" in segments
