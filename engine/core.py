@@ -12,7 +12,7 @@ import time
 from engine.attention import PagedKVCache, cpu_attention_fits, paged_attention_reference, select_attention
 from engine.config import EngineConfig
 from engine.cpu_attention import cpu_paged_attention
-from engine.detokenize import IncrementalDetokenizer
+from engine.detokenize import IncrementalDetokenizer, StopMatcher
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
 from engine.models import adapter
@@ -32,6 +32,13 @@ from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
 logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 4096
+# Steps in a row whose forward pass raised for every request (each alone too): past this the runner
+# itself is taken to be broken (a device error, not one request's input) and the engine stops.
+MAX_FAILED_STEPS = 2
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on: the loop fails every request and stops."""
 
 
 class EngineCore:
@@ -97,6 +104,7 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Requests that ended outside a step (aborts): reported with the next stats object.
         self._finished_backlog: list[FinishedRequestStats] = []
+        self._failed_steps = 0  # consecutive steps whose forward raised for every request
         set_global_seed(config.seed)
 
     def _split_kv_budget(self, per_block: int, draft: LoadedModel | None) -> tuple[int, int]:
@@ -156,12 +164,19 @@ class EngineCore:
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    stop_matcher: StopMatcher | None = None) -> None:
+        """`stop_matcher`: `engine.detokenize.stop_matcher(params.stop)`, built beforehand by a server so
+        that the engine thread never pays for it (None: built here). Raises and leaves no state behind."""
         max_tokens = self.check_request(prompt_token_ids, params)
+        faults = self.runner.faults
+        if faults is not None and faults.hits("add_request_error", prompt_token_ids):
+            raise MemoryError("injected fault: add_request_error")
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                       max_tokens=max_tokens, eos_token_ids=self.loaded.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params, stop_matcher)
         self.scheduler.add_request(req)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        self._detok[request_id] = detok
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -198,14 +213,19 @@ class EngineCore:
             return [], None
         try:
             res = self.runner.execute(so)
+            self._failed_steps = 0
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine thread
             if len(so.scheduled) == 1:
-                logger.exception("step failed; failing its request")
-                res = _failed(so, [f"{type(e).__name__}: {e}"])
+                logger.exception("step failed; failing its request %s", so.scheduled[0].request_id)
+                res, raised = _failed(so, [_FORWARD_FAILED]), 1
             else:
                 logger.warning("batched step failed (%s: %s); re-running its %d requests one by one",
                                type(e).__name__, e, len(so.scheduled))
-                res = self._execute_isolated(so)
+                res, raised = self._execute_isolated(so)
+            self._failed_steps = self._failed_steps + 1 if raised == len(so.scheduled) else 0
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise EngineFatalError(f"the forward pass failed for every request of {self._failed_steps} "
+                                       f"steps in a row") from e
         # Before update(): requests finishing this step still count their last verification.
         spec_stats = self._spec_stats(so, res) if self.spec is not None else None
         updates = self.scheduler.update(so, res)
@@ -248,7 +268,8 @@ class EngineCore:
                     req.status = RequestStatus.FINISHED_STOPPED
             if req.status.finished:
                 if detok is not None and not isinstance(req.stop_reason, str) and req.error is None:
-                    text += detok.flush()  # release text held back for a stop string that never came
+                    # release text held back for a stop string that never came
+                    text += self._detokenize(req, detok, None)[0]
                 self._detok.pop(req.request_id, None)
                 self._release(req)
                 stats.finished.append(self._finished_stats(req))
@@ -260,37 +281,41 @@ class EngineCore:
         return outputs, stats
 
     def _detokenize(self, req: Request, detok: IncrementalDetokenizer,
-                    new_tokens: list[int]) -> tuple[str, str | None]:
-        """(text, stop string) for new tokens; a detokenizer failure fails this request only."""
+                    new_tokens: list[int] | None) -> tuple[str, str | None]:
+        """(text, stop string) for new tokens (None: flush what is held back); a detokenizer or stop
+        matcher failure fails this request only."""
         try:
             faults = self.runner.faults
             if faults is not None and faults.hits("detokenize_error", req.prompt_token_ids):
                 raise InjectedFault("injected fault: detokenize_error")
-            return detok.add(new_tokens)
-        except Exception as e:  # noqa: BLE001 - the engine thread must go on for everyone else
+            return detok.add(new_tokens) if new_tokens is not None else (detok.flush(), None)
+        except Exception:  # noqa: BLE001 - the engine thread must go on for everyone else
             logger.exception("detokenizing %s failed; failing the request", req.request_id)
-            req.error = f"detokenization failed: {type(e).__name__}: {e}"
+            req.error = "detokenization failed"  # the exception stays in the log, out of the response
             if req.status.finished:  # it ended this step: only its final status changes
                 req.status = RequestStatus.FINISHED_ERROR
             else:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
             return "", None
 
-    def _execute_isolated(self, so: SchedulerOutput) -> RunnerOutput:
+    def _execute_isolated(self, so: SchedulerOutput) -> tuple[RunnerOutput, int]:
         """Fault isolation: run each request of a failed batch alone, so only the requests that fail
-        by themselves are failed. Their KV slots are simply rewritten with the same values."""
+        by themselves are failed. Their KV slots are simply rewritten with the same values.
+        Returns the output and how many requests raised alone."""
         res = RunnerOutput()
+        raised = 0
         for sr in so.scheduled:
             try:
                 one = self.runner.execute(SchedulerOutput([sr], len(sr.token_ids)))
             except Exception as e:  # noqa: BLE001
                 logger.error("request %s failed on its own: %s: %s", sr.request_id, type(e).__name__, e)
-                one = _failed(SchedulerOutput([sr]), [f"{type(e).__name__}: {e}"])
+                one = _failed(SchedulerOutput([sr]), [_FORWARD_FAILED])
+                raised += 1
             res.sampled_token_ids += one.sampled_token_ids
             res.logprobs += one.logprobs
             res.num_accepted_drafts += one.num_accepted_drafts
             res.errors += one.errors
-        return res
+        return res, raised
 
     # -- speculative decoding ------------------------------------------------------------------
     def _spec_stats(self, so: SchedulerOutput, res: RunnerOutput) -> SpecDecodingStats:
@@ -445,6 +470,10 @@ class EngineCore:
             time_per_output_token=tpot, num_cached_tokens=req.num_cached_prompt_tokens,
             spec_num_draft_tokens=req.spec_num_draft_tokens,
             spec_num_accepted_tokens=req.spec_num_accepted_tokens)
+
+
+# What a client is told when the forward pass raised for its request (the exception goes to the log).
+_FORWARD_FAILED = "the forward pass failed"
 
 
 def _failed(so: SchedulerOutput, errors: list[str]) -> RunnerOutput:

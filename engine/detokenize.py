@@ -7,19 +7,24 @@ O(window), not O(output). A trailing U+FFFD means an incomplete UTF-8 sequence (
 byte-level BPE tokens): those characters are held back until the sequence completes. The emitted text
 equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` minus held-back characters.
 
-Stop strings: all stop strings are compiled into an Aho-Corasick automaton (cached per stop list), which
+Stop strings: all stop strings are compiled into an Aho-Corasick automaton, which
 is fed the decoded text one character at a time: O(1) amortised per character no matter how many stop
 strings there are. The automaton's state depth is exactly the longest suffix of the text that is a prefix
 of some stop string -- that suffix is held back so a stop string is never emitted. A match is the stop
 string that *ends* earliest (the longest one if several end at the same character), which makes the
 result independent of how the text is split into tokens. As in vLLM, stop strings are only checked once
-more than ``min_tokens`` tokens have been generated.
+more than ``min_tokens`` tokens have been generated. Building an automaton costs time and memory in
+proportion to the stop strings' total length, so the server builds it (``stop_matcher``) in a worker thread
+before it submits the request; built automata are cached by stop list within a bound on their bytes.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Protocol
 
 from engine.sampling import SamplingParams
@@ -28,6 +33,10 @@ _REPLACEMENT = "\ufffd"
 # Tokens allowed to pile up behind an incomplete character before looking for an earlier boundary
 # (a UTF-8 tail spans at most 3 tokens; more means text keeps ending mid-character or is invalid).
 _MAX_PENDING = 6
+# Bytes of built stop automata kept for reuse (a stop list of 8 KiB of text builds about 2 MiB).
+STOP_MATCHER_CACHE_BYTES = 32 * 2**20
+# Per node beyond its dict: the int objects of fail/depth/match_len and the key string (errs high).
+_NODE_EXTRA_BYTES = 128
 
 
 class Tokenizer(Protocol):
@@ -42,6 +51,7 @@ class StopMatcher:
     fail: list[int]  # per node: longest proper suffix that is also a node
     depth: list[int]  # per node: length of its path from the root
     match_len: list[int]  # per node: longest stop string that is a suffix of its path (0: none)
+    nbytes: int = 0  # approximate memory held: what the cache is bounded by
 
     @classmethod
     def build(cls, stops: tuple[str, ...]) -> StopMatcher:
@@ -76,7 +86,9 @@ class StopMatcher:
                 fail[v] = goto[f].get(ch, 0)
                 match_len[v] = depth[v] if terminal[v] else match_len[fail[v]]
                 queue.append(v)
-        return cls(goto=goto, fail=fail, depth=depth, match_len=match_len)
+        nbytes = (sum(map(sys.getsizeof, goto)) + len(goto) * _NODE_EXTRA_BYTES
+                  + sum(sys.getsizeof(x) for x in (goto, fail, depth, match_len)))
+        return cls(goto=goto, fail=fail, depth=depth, match_len=match_len, nbytes=nbytes)
 
     def step(self, state: int, ch: str) -> int:
         goto, fail = self.goto, self.fail
@@ -85,9 +97,49 @@ class StopMatcher:
         return goto[state].get(ch, 0)
 
 
-@lru_cache(maxsize=64)
-def _matcher(stops: tuple[str, ...]) -> StopMatcher:
-    return StopMatcher.build(stops)
+class StopMatcherCache:
+    """Least-recently-used automata by stop list, bounded by their total bytes (thread-safe: the server
+    builds in worker threads). An automaton larger than the whole bound is built but not kept."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[tuple[str, ...], StopMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, stops: tuple[str, ...]) -> StopMatcher:
+        with self._lock:
+            matcher = self._items.get(stops)
+            if matcher is not None:
+                self._items.move_to_end(stops)
+                return matcher
+        matcher = StopMatcher.build(stops)  # outside the lock: builds may run in parallel
+        cost = matcher.nbytes + sum(map(sys.getsizeof, stops))
+        if cost > self.max_bytes:
+            return matcher
+        with self._lock:
+            if stops not in self._items:
+                self._items[stops] = matcher
+                self.nbytes += cost
+                while self.nbytes > self.max_bytes:
+                    old_stops, old = self._items.popitem(last=False)
+                    self.nbytes -= old.nbytes + sum(map(sys.getsizeof, old_stops))
+        return matcher
+
+
+_CACHE = StopMatcherCache(STOP_MATCHER_CACHE_BYTES)
+
+
+def stop_matcher(stops: Iterable[str], cache: StopMatcherCache | None = _CACHE) -> StopMatcher | None:
+    """The automaton for a request's stop strings (None when it has none). Costs O(total length) on a
+    cache miss: the server calls it off the event loop and hands the result to `EngineCore.add_request`."""
+    key = tuple(dict.fromkeys(s for s in stops if s))  # dedupe, keep order
+    if not key:
+        return None
+    return cache.get(key) if cache is not None else StopMatcher.build(key)
 
 
 def _trailing_replacements(text: str) -> int:
@@ -102,14 +154,15 @@ class IncrementalDetokenizer:
     drop the first output token's leading space, exactly like ``decode``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 matcher: StopMatcher | None = None) -> None:
+        """`matcher`: `stop_matcher(params.stop)` built beforehand (None: built here if there are stops)."""
         del prompt_token_ids  # see class docstring
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        stops = tuple(dict.fromkeys(s for s in params.stop if s))  # dedupe, keep order
-        self._matcher = _matcher(stops) if stops else None
+        self._matcher = matcher if matcher is not None else stop_matcher(params.stop)
         self._ids: list[int] = []
         # decode window: ids[prefix_offset:read_offset] is already-decoded context of length prefix_len
         self._prefix_offset = 0

@@ -1,17 +1,19 @@
 """Fault injection for reliability tests (`EngineConfig.fault_injection`; never set in production).
 
 A rule maps a fault kind to a trigger token id: a request whose prompt contains that token suffers
-the fault each time it is in a step. Tests send prompts as token-id lists, so they choose exactly
-which requests fail while the rest of the batch must carry on unharmed.
+the fault each time it is in a step (`add_request_error`: a MemoryError once, as the engine takes it in).
+Tests send prompts as token-id lists, so they choose exactly which requests fail while the rest of the
+batch must carry on unharmed.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-FaultKind = Literal["raise_in_forward", "nan_logits", "bad_token", "proposer_error", "detokenize_error"]
+FaultKind = Literal["raise_in_forward", "nan_logits", "bad_token", "proposer_error", "detokenize_error",
+                    "add_request_error"]
 FAULT_KINDS: tuple[str, ...] = ("raise_in_forward", "nan_logits", "bad_token", "proposer_error",
-                                "detokenize_error")
+                                "detokenize_error", "add_request_error")
 
 
 class InjectedFault(RuntimeError):

@@ -2,6 +2,11 @@
 
 Callers (the HTTP server) submit with `add_request(..., callback)`; the callback runs on the engine
 thread with each RequestOutput and must only hand it over (e.g. `loop.call_soon_threadsafe`).
+
+Failures: an exception while taking in one request fails that request only (finish_reason "error").
+An exception out of a step (the core isolates what it can pin on one request) means the loop cannot go
+on: every request is failed, the thread ends, and `exit_hook(FATAL_EXIT_CODE)` runs, so that a server can
+exit non-zero and its supervisor restart it. The exception text goes to the log, never to clients.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core import EngineCore
+from engine.detokenize import StopMatcher
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.stats import IterationStats
@@ -20,6 +26,11 @@ from engine.stats import IterationStats
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+ExitHook = Callable[[int], None]
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE: an internal error, worth a restart
+# What clients are told (the cause is logged).
+_FATAL_MESSAGE = "the engine stopped after an internal error"
+_ADD_FAILED = "the engine could not take the request in"
 
 
 @dataclass(slots=True)
@@ -28,6 +39,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     callback: OutputCallback
+    stop_matcher: StopMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -41,7 +53,9 @@ class EngineDeadError(RuntimeError):
 
 class EngineLoop:
     def __init__(self, core: EngineCore, stats_callback: Callable[[IterationStats], None] | None = None,
-                 idle_poll_s: float = 0.05) -> None:
+                 idle_poll_s: float = 0.05, exit_hook: ExitHook | None = None) -> None:
+        """`exit_hook(code)` runs on the engine thread after a fatal error, once every request has been
+        failed (None: the engine just stays stopped; a server passes one that exits the process)."""
         self.core = core
         self.stats_callback = stats_callback
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -50,6 +64,7 @@ class EngineLoop:
         self._idle_poll_s = idle_poll_s
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self.error: BaseException | None = None
+        self.exit_hook = exit_hook
 
     # -- API for other threads -----------------------------------------------------------------
     def start(self) -> None:
@@ -60,12 +75,13 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    callback: OutputCallback) -> None:
-        """Raises ValueError for a request the engine cannot take (before it is queued)."""
+                    callback: OutputCallback, stop_matcher: StopMatcher | None = None) -> None:
+        """Raises ValueError for a request the engine cannot take (before it is queued). `stop_matcher`:
+        see `EngineCore.add_request` (build it on another thread: this one runs the engine)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         self.core.check_request(prompt_token_ids, params)
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, callback))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, callback, stop_matcher))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -81,8 +97,11 @@ class EngineLoop:
         cb = self._callbacks.get(out.request_id)
         if out.finished:
             self._callbacks.pop(out.request_id, None)
-        if cb is None:
-            return
+        if cb is not None:
+            self._call(cb, out)
+
+    @staticmethod
+    def _call(cb: OutputCallback, out: RequestOutput) -> None:
         try:
             cb(out)
         except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
@@ -91,10 +110,14 @@ class EngineLoop:
     def _handle(self, cmd: _Add | _Abort | None) -> None:
         if isinstance(cmd, _Add):
             try:
-                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
-            except ValueError as e:
-                cmd.callback(RequestOutput(cmd.request_id, [], "", None, True, "error", None,
-                                           len(cmd.prompt_token_ids), 0, 0, error=str(e)))
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stop_matcher)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+                if isinstance(e, ValueError):  # the engine's own validation message
+                    message = str(e)
+                else:
+                    logger.exception("adding request %s failed; failing it", cmd.request_id)
+                    message = _ADD_FAILED
+                self._call(cmd.callback, _error_output(cmd, "error", message))
                 return
             self._callbacks[cmd.request_id] = cmd.callback
         elif isinstance(cmd, _Abort):
@@ -128,9 +151,12 @@ class EngineLoop:
                     self._emit(out)
         except BaseException as e:  # noqa: BLE001 - record, then fail everyone waiting
             self.error = e
-            logger.exception("engine thread died")
+            logger.critical("the engine loop cannot go on; failing every request and stopping", exc_info=e)
         finally:
-            self._fail_all("the engine stopped" if self.error is None else f"engine error: {self.error}")
+            self._fail_all("the engine stopped" if self.error is None else _FATAL_MESSAGE)
+        if self.error is not None and self.exit_hook is not None:
+            logger.critical("exiting with status %d for a supervisor to restart", FATAL_EXIT_CODE)
+            self.exit_hook(FATAL_EXIT_CODE)
 
     def _report(self, stats: IterationStats | None) -> None:
         if stats is None or self.stats_callback is None:
@@ -141,16 +167,29 @@ class EngineLoop:
             logger.exception("stats callback failed")
 
     def _fail_all(self, message: str) -> None:
-        for request_id in list(self._callbacks):
-            out = self.core.abort_request(request_id)
-            if out is not None:
-                out.finish_reason, out.error = "error" if self.error else "abort", message
-                self._emit(out)
+        """Every waiting caller gets a final output, even if the core's state is broken."""
+        reason = "error" if self.error else "abort"
+        for request_id, cb in list(self._callbacks.items()):
+            try:
+                out = self.core.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - a broken core must not leave this caller waiting
+                logger.exception("aborting %s failed", request_id)
+                out = None
+            if out is None:
+                out = RequestOutput(request_id, [], "", None, True, reason, None, 0, 0, 0)
+            out.finish_reason, out.error = reason, message
+            self._callbacks.pop(request_id, None)
+            self._call(cb, out)
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                cmd.callback(RequestOutput(cmd.request_id, [], "", None, True, "abort", None,
-                                           len(cmd.prompt_token_ids), 0, 0, error=message))
+                self._call(cmd.callback, _error_output(cmd, "abort", message))
+
+
+def _error_output(cmd: _Add, reason: str, message: str) -> RequestOutput:
+    """The one output of a request that never entered the engine."""
+    return RequestOutput(cmd.request_id, [], "", None, True, reason, None, len(cmd.prompt_token_ids), 0, 0,
+                         error=message)

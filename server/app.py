@@ -154,7 +154,7 @@ async def health(raw: Request) -> Response:
     client = _client(raw)
     if client.alive:
         return JSONResponse({"status": "ok"})
-    reason = f": {client.error}" if client.error is not None else ""
+    reason = " (it stopped on an internal error: see the server log)" if client.error is not None else ""
     return APIError(503, f"the engine thread is not running{reason}", code="engine_dead").response()
 
 

@@ -56,6 +56,9 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-waiting-requests", "max_waiting_requests", {"type": int}),
     ("--max-request-body-size", "max_request_body_size", {"metavar": "SIZE"}),
     ("--max-n", "max_n", {"type": int}),
+    ("--max-stop-strings", "max_stop_strings", {"type": int}),
+    ("--max-stop-chars", "max_stop_chars", {"type": int}),
+    ("--max-stop-token-ids", "max_stop_token_ids", {"type": int}),
     ("--request-timeout", "request_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--shutdown-timeout", "shutdown_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error", "critical"]}),
@@ -301,21 +304,23 @@ def serve(settings: ServerSettings) -> int:
                             access_log=not settings.disable_log_requests,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout) + 2)
     server = _Server(config, on_shutdown=client.abort_all, grace_s=settings.shutdown_timeout)
+    client.exit_hook = server.exit_with  # a dead engine stops the process for a supervisor to restart it
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    logger.info("stopped")
-    return 0
+    logger.info("stopped" if server.exit_code == 0 else f"stopped with status {server.exit_code}")
+    return server.exit_code
 
 
 class _Server(uvicorn.Server):
-    """uvicorn with two changes for a clean stop:
+    """uvicorn with three changes for a clean stop:
 
     - after a signal, requests still running --shutdown-timeout seconds later are aborted, so their
       clients get a proper end (an error event and `data: [DONE]`) before uvicorn's own timeout cancels them;
     - uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown (a traceback for Ctrl-C, a kill for
-      SIGTERM); we shut down the same way and then exit 0.
+      SIGTERM); we shut down the same way and then exit 0;
+    - `exit_with(code)`: the engine died, so the server stops and the process exits non-zero.
     """
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], object] | None = None,
@@ -323,6 +328,16 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._on_shutdown = on_shutdown
         self._grace_s = grace_s
+        self.exit_code = 0
+
+    def exit_with(self, code: int) -> None:
+        """Stop serving and make `serve` return `code` (any thread). Should the stop hang, the process
+        exits hard once the grace period and uvicorn's own timeout are over."""
+        self.exit_code = code
+        self.should_exit = True
+        timer = threading.Timer(self._grace_s + 10.0, os._exit, (code,))
+        timer.daemon = True
+        timer.start()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._on_shutdown is not None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.loop import EngineDeadError, EngineLoop
+from engine.detokenize import StopMatcher
+from engine.loop import EngineDeadError, EngineLoop, ExitHook
 from engine.models.loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
@@ -39,6 +40,7 @@ class SubRequest:
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    stop_matcher: StopMatcher | None = None  # built off the event loop and the engine thread
 
 
 class RequestStream:
@@ -58,7 +60,8 @@ class RequestStream:
         self._pending: set[str] = set()
         try:
             for i, (rid, sub) in enumerate(zip(self.engine_ids, subs, strict=True)):
-                client._loop.add_request(rid, sub.prompt_token_ids, sub.params, self._callback(i))
+                client._loop.add_request(rid, sub.prompt_token_ids, sub.params, self._callback(i),
+                                         sub.stop_matcher)
                 self._pending.add(rid)
                 client._unfinished.add(rid)
         except BaseException:
@@ -119,7 +122,8 @@ class EngineClient:
     """Owns the engine thread; all methods are called from the event loop's thread."""
 
     def __init__(self, core: EngineCore, served_model_names: list[str] | None = None,
-                 request_timeout: float | None = None, step_trace: str | None = None) -> None:
+                 request_timeout: float | None = None, step_trace: str | None = None,
+                 exit_hook: ExitHook | None = None) -> None:
         self.core = core
         self.request_timeout = request_timeout
         self.served_model_names = served_model_names or [core.loaded.name]
@@ -128,7 +132,7 @@ class EngineClient:
         self.metrics = Metrics(self.model_name, self.snapshot,
                                num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         self.step_trace = StepTrace(step_trace) if step_trace else None
-        self._loop = EngineLoop(core, stats_callback=self._on_stats)
+        self._loop = EngineLoop(core, stats_callback=self._on_stats, exit_hook=exit_hook)
         self._unfinished: set[str] = set()  # engine ids submitted and not yet seen finished
 
     def _on_stats(self, stats: IterationStats) -> None:  # engine thread, after every step
@@ -153,6 +157,15 @@ class EngineClient:
     def error(self) -> BaseException | None:
         return self._loop.error
 
+    @property
+    def exit_hook(self) -> ExitHook | None:
+        """Called with a non-zero status once the engine has stopped on a fatal error (see engine/loop.py)."""
+        return self._loop.exit_hook
+
+    @exit_hook.setter
+    def exit_hook(self, hook: ExitHook | None) -> None:
+        self._loop.exit_hook = hook
+
     # -- state ---------------------------------------------------------------------------------
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
@@ -171,6 +184,13 @@ class EngineClient:
     def num_waiting(self) -> int:
         """Requests queued and not running, including those still in the engine's inbox."""
         return max(0, len(self._unfinished) - len(self.core.scheduler.running))
+
+    def num_waiting_with(self, extra: int) -> int:
+        """Engine requests that would wait for a running slot if `extra` more were submitted now. Free
+        slots count only while the scheduler has admitted all it holds (else memory, not slots, is short)."""
+        sched = self.core.scheduler
+        free_slots = 0 if len(sched.waiting) else max(0, sched.max_num_seqs - len(sched.running))
+        return max(0, self.num_waiting() + extra - free_slots)
 
     def abort_all(self) -> int:
         """Abort every unfinished request (shutdown); their handlers get an "abort" output each."""

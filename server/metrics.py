@@ -37,8 +37,9 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-# The acceptance-rate gauge covers this much recent history.
-_ACCEPTANCE_WINDOW_S = 60.0
+# The acceptance-rate gauge covers this much recent history, summed per second on arrival so that its
+# buffer has a fixed size however long /metrics goes unscraped.
+_ACCEPTANCE_WINDOW_S = 60
 
 
 @dataclass(slots=True)
@@ -152,7 +153,8 @@ class Metrics:
 
         self.spec_enabled = num_speculative_tokens > 0
         self._spec_window = _SpecWindow()
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, draft tokens, accepted)
+        # [second, draft tokens, accepted] per second of the window
+        self._recent: deque[list[int]] = deque(maxlen=_ACCEPTANCE_WINDOW_S + 1)
         if self.spec_enabled:
             self._init_spec(num_speculative_tokens)
 
@@ -199,11 +201,9 @@ class Metrics:
 
     def _recent_acceptance(self) -> float:
         with self._lock:
-            cutoff = time.monotonic() - _ACCEPTANCE_WINDOW_S
-            while self._recent and self._recent[0][0] < cutoff:
-                self._recent.popleft()
-            drafted = sum(d for _, d, _ in self._recent)
-            accepted = sum(a for _, _, a in self._recent)
+            cutoff = int(time.monotonic()) - _ACCEPTANCE_WINDOW_S
+            drafted = sum(d for sec, d, _ in self._recent if sec >= cutoff)
+            accepted = sum(a for sec, _, a in self._recent if sec >= cutoff)
         return accepted / drafted if drafted else 0.0
 
     # -- inputs --------------------------------------------------------------------------------
@@ -258,7 +258,12 @@ class Metrics:
                 self.spec_per_pos[i].inc(n)
         with self._lock:
             self._spec_window.add(spec)
-            self._recent.append((time.monotonic(), spec.num_draft_tokens, spec.num_accepted_tokens))
+            sec = int(time.monotonic())
+            if self._recent and self._recent[-1][0] == sec:
+                self._recent[-1][1] += spec.num_draft_tokens
+                self._recent[-1][2] += spec.num_accepted_tokens
+            else:
+                self._recent.append([sec, spec.num_draft_tokens, spec.num_accepted_tokens])
 
     def _observe_choice(self, stats: IterationStats) -> None:
         for k in stats.spec_chosen_k:

@@ -8,6 +8,7 @@ their neutral value. Cross-field rules live in `check()` and raise `APIError` na
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.errors import bad_request
 
 MAX_CHOICES = 256  # prompts x n per request: bounds the work one HTTP request can queue
+
+
+@dataclass(frozen=True, slots=True)
+class StopLimits:
+    """Per-request bounds on stop conditions (ServerSettings' max_stop_*: the defaults live there). The
+    stop automaton's size grows with the strings' total length."""
+
+    max_strings: int
+    max_chars: int
+    max_token_ids: int
 
 
 class _Request(BaseModel):
@@ -119,7 +130,7 @@ class _SamplingRequest(_Request):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def check(self, max_n: int) -> None:
+    def check(self, max_n: int, stop_limits: StopLimits | None = None) -> None:
         for name, neutral in _NEUTRAL.items():
             if name in type(self).model_fields and not neutral(getattr(self, name)):
                 raise bad_request(f"`{name}` is not supported by this server", param=name)
@@ -130,6 +141,25 @@ class _SamplingRequest(_Request):
             raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise bad_request("stop strings must not be empty", param="stop")
+        if stop_limits is not None:
+            self._check_stop_limits(stop_limits)
+
+    def _check_stop_limits(self, limits: StopLimits) -> None:
+        stops = self.stop_list()
+        if len(stops) > limits.max_strings:
+            raise bad_request(f"`stop` has {len(stops)} strings; this server takes at most "
+                              f"{limits.max_strings} (--max-stop-strings)", param="stop",
+                              code="too_many_stop_strings")
+        chars = sum(map(len, stops))
+        if chars > limits.max_chars:
+            raise bad_request(f"the `stop` strings have {chars} characters together; this server takes at "
+                              f"most {limits.max_chars} (--max-stop-chars)", param="stop",
+                              code="stop_too_long")
+        ids = self.stop_token_ids or []
+        if len(ids) > limits.max_token_ids:
+            raise bad_request(f"`stop_token_ids` has {len(ids)} ids; this server takes at most "
+                              f"{limits.max_token_ids} (--max-stop-token-ids)", param="stop_token_ids",
+                              code="too_many_stop_token_ids")
 
     @property
     def include_usage(self) -> bool:
@@ -160,8 +190,8 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
 
-    def check(self, max_n: int) -> None:
-        super().check(max_n)
+    def check(self, max_n: int, stop_limits: StopLimits | None = None) -> None:
+        super().check(max_n, stop_limits)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
@@ -193,8 +223,8 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM extension
 
-    def check(self, max_n: int) -> None:
-        super().check(max_n)
+    def check(self, max_n: int, stop_limits: StopLimits | None = None) -> None:
+        super().check(max_n, stop_limits)
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("`best_of` is not supported (it must equal n)", param="best_of")
         if self.echo and self.logprobs is not None:

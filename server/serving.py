@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.detokenize import StopMatcher, stop_matcher
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprob
 from server.engine_client import EngineClient, EngineDeadError, RequestStream, SubRequest
@@ -44,6 +45,7 @@ from server.protocol import (
     DeltaMessage,
     PromptTokensDetails,
     SpecDecodeUsage,
+    StopLimits,
     TopLogprob,
     Usage,
     now,
@@ -126,9 +128,9 @@ class _Choice:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
 
 
-def _raise_if_failed(choice: _Choice) -> None:
-    if choice.finish_reason == "error":
-        raise APIError(500, f"the engine failed on this request: {choice.error}", code="engine_error")
+def _raise_if_failed(choice: _Choice, request_id: str) -> None:
+    if choice.finish_reason == "error":  # `error` is the engine's short reason; the cause is in the log
+        raise APIError(500, f"request {request_id} failed in the engine: {choice.error}", code="engine_error")
     if choice.finish_reason == "abort":
         raise APIError(503, f"the request was aborted: {choice.error or 'engine shutting down'}",
                        code="aborted")
@@ -175,6 +177,8 @@ class OpenAIServing:
         self.tokens = TokenText(client.tokenizer)
         self.log_requests = not settings.disable_log_requests
         self.spec_metrics = settings.per_request_spec_decode_metrics == "summary"
+        self.stop_limits = StopLimits(settings.max_stop_strings, settings.max_stop_chars,
+                                      settings.max_stop_token_ids)
 
     # -- shared steps --------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -228,12 +232,14 @@ class OpenAIServing:
                 subs.append(SubRequest(ids, p))
         return subs
 
-    def submit(self, request_id: str, subs: list[SubRequest]) -> RequestStream:
+    async def submit(self, request_id: str, subs: list[SubRequest]) -> RequestStream:
         limit = self.settings.max_waiting_requests
-        if limit is not None and self.client.num_waiting() >= limit:
-            raise APIError(503, f"the server is overloaded: {self.client.num_waiting()} requests are waiting "
-                                f"(--max-waiting-requests {limit}); retry later",
-                           code="server_overloaded", headers={"Retry-After": "1"})
+        if limit is not None:
+            self._admit(len(subs), limit)  # before any work: an overloaded server refuses at once
+        await self._build_stop_matchers(request_id, subs)
+        # No await from here on: the admission check and the queueing happen as one step.
+        if limit is not None:
+            self._admit(len(subs), limit)
         try:
             stream = self.client.submit(request_id, subs)
         except EngineDeadError as e:
@@ -246,6 +252,40 @@ class OpenAIServing:
                         "temperature=%s, seed=%s", request_id, len(subs),
                         sorted({len(s.prompt_token_ids) for s in subs}), p.max_tokens, p.temperature, p.seed)
         return stream
+
+    def _admit(self, num: int, limit: int) -> None:
+        """--max-waiting-requests counts engine requests (prompts x n), this request's included."""
+        slots = self.settings.max_num_seqs
+        if num > limit + slots:
+            raise bad_request(f"this request makes {num} engine requests (prompts x n), more than this "
+                              f"server ever queues (--max-waiting-requests {limit} + --max-num-seqs {slots})",
+                              param="n", code="too_many_choices")
+        waiting = self.client.num_waiting_with(num)
+        if waiting > limit:
+            raise APIError(503, f"the server is overloaded: {waiting} engine requests would wait, over "
+                                f"--max-waiting-requests {limit}; retry later",
+                           code="server_overloaded", headers={"Retry-After": "1"})
+
+    @staticmethod
+    async def _build_stop_matchers(request_id: str, subs: list[SubRequest]) -> None:
+        """Compile each distinct stop list once, in a worker thread (its cost grows with the strings'
+        length, bounded by --max-stop-chars): neither the event loop nor the engine thread pays for it."""
+        keys = {tuple(s.params.stop) for s in subs if s.params.stop}
+        if not keys:
+            return
+        try:
+            built: dict[tuple[str, ...], StopMatcher | None] = await asyncio.to_thread(
+                lambda: {key: stop_matcher(key) for key in keys})
+        except MemoryError as e:
+            logger.error("request %s: out of memory compiling its stop strings", request_id)
+            raise bad_request("not enough memory to compile the stop strings: send fewer or shorter ones",
+                              param="stop", code="stop_too_long") from e
+        except Exception as e:
+            logger.exception("request %s: compiling its stop strings failed", request_id)
+            raise APIError(500, f"request {request_id} failed: its stop strings could not be compiled",
+                           code="internal_error") from e
+        for sub in subs:
+            sub.stop_matcher = built.get(tuple(sub.params.stop))
 
     def _log_done(self, request_id: str, choices: list[_Choice], t0: float, outcome: str = "") -> None:
         if self.log_requests:
@@ -277,7 +317,7 @@ class OpenAIServing:
             async for index, out in stream:
                 choices[index].add(out)
             for c in choices:
-                _raise_if_failed(c)
+                _raise_if_failed(c, stream.request_id)
         except APIError as e:
             self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
             raise
@@ -313,14 +353,14 @@ class OpenAIServing:
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.resolve_model(req.model)
-        req.check(self.settings.max_n)
+        req.check(self.settings.max_n, self.stop_limits)
         prompt = self.tokens.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.chat_template_kwargs)
         params = self.sampling_params(req, req.output_limit, req.num_logprobs)
         subs = self.prepare([prompt], params, req.n, _CHAT_NAMES if req.max_completion_tokens is None
                             else {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.submit(request_id, subs)
+        stream = await self.submit(request_id, subs)
         if req.stream:
             return EventStreamResponse(self._chat_events(req, stream, model, len(subs)), stream.close)
         return await self._unless_disconnected(raw, stream, self._chat_full(req, stream, model, len(subs)))
@@ -374,7 +414,7 @@ class OpenAIServing:
                 c = choices[index]
                 c.add(out)
                 if out.finished:
-                    _raise_if_failed(c)
+                    _raise_if_failed(c, stream.request_id)
                 choice = delta(index, out, c)
                 if choice is None:
                     continue
@@ -397,7 +437,7 @@ class OpenAIServing:
     # -- completions ---------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.resolve_model(req.model)
-        req.check(self.settings.max_n)
+        req.check(self.settings.max_n, self.stop_limits)
         prompts: list[list[int]] = []
         texts: list[str] = []
         for p in req.prompts():
@@ -410,7 +450,7 @@ class OpenAIServing:
         params = self.sampling_params(req, req.output_limit, req.logprobs)
         subs = self.prepare(prompts, params, req.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.submit(request_id, subs)
+        stream = await self.submit(request_id, subs)
         echoes = [texts[i // req.n] if req.echo else "" for i in range(len(subs))]
         if req.stream:
             return EventStreamResponse(self._completion_events(req, stream, model, echoes), stream.close)

@@ -76,10 +76,16 @@ class ServerSettings(BaseModel):
         None, description="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
                           "(also read from SPECSERVE_API_KEY)")
     max_waiting_requests: int | None = Field(
-        None, ge=0, description="answer 503 while this many requests wait for a slot (default: no limit)")
+        None, ge=0, description="answer 503 to a request whose engine requests (prompts x n) would make more "
+                                "than this many wait for a running slot (default: no limit)")
     max_request_body_size: int = Field(
         16 * 2**20, ge=1, description="largest request body in bytes, or with a unit (16MiB); 413 above")
     max_n: int = Field(16, ge=1, description="largest `n` (choices per prompt) accepted")
+    max_stop_strings: int = Field(64, ge=0, description="most `stop` strings in one request; 400 above")
+    max_stop_chars: int = Field(
+        8192, ge=0, description="most characters in one request's `stop` strings together; 400 above")
+    max_stop_token_ids: int = Field(
+        256, ge=0, description="most `stop_token_ids` in one request (at most 1000); 400 above")
     request_timeout: float | None = Field(
         None, gt=0, description="seconds a request may take in all; past it the request is aborted and "
                                 "answered 408 (default: no limit)")
@@ -114,6 +120,15 @@ class ServerSettings(BaseModel):
     @classmethod
     def _size(cls, v: Any) -> Any:
         return parse_size(v) if isinstance(v, (int, str)) else v
+
+    @field_validator("max_stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: int) -> int:
+        from engine.sampling import MAX_STOP_TOKEN_IDS
+
+        if v > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"the engine takes at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
+        return v
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -76,7 +76,8 @@ def test_each_fault_fails_only_its_request_in_a_batch(faulty: RunningServer) -> 
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == expected  # untouched by its neighbours' faults
     by_kind = dict(zip(bad, responses[len(good): len(good) + len(bad)], strict=True))
-    assert_openai_error(by_kind["raise_in_forward"], 500, contains="injected fault: raise_in_forward")
+    # the cause goes to the log; the body gives the engine's short reason
+    assert_openai_error(by_kind["raise_in_forward"], 500, contains="the forward pass failed")
     assert_openai_error(by_kind["nan_logits"], 500, contains="non-finite logits")
     assert_openai_error(by_kind["bad_token"], 500, contains="outside the vocabulary")
     assert_openai_error(by_kind["detokenize_error"], 500, contains="detokenization failed")
@@ -142,7 +143,7 @@ def test_engine_thread_death_gives_503_not_hangs(make_server, monkeypatch: pytes
 
         monkeypatch.setattr(srv.core.scheduler, "schedule", explode)
         resp = httpx.post(srv.url + COMP, json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=30)
-        assert resp.status_code >= 500 and "scheduler invariant broken" in resp.text
+        assert resp.status_code >= 500 and "scheduler invariant broken" not in resp.text  # only in the log
         wait_for(lambda: not srv.client.alive, timeout=5)
         assert_openai_error(httpx.get(srv.url + "/health"), 503)
         t0 = time.monotonic()
