@@ -264,8 +264,8 @@ class OpenAIServing:
         Returns the request's template (None: the server's) and its kwargs."""
         kwargs = dict(kwargs or {})
         param = "chat_template"
-        if "chat_template" in kwargs:
-            in_kwargs = kwargs.pop("chat_template")
+        in_kwargs = kwargs.pop("chat_template", None)
+        if in_kwargs is not None:
             if source is not None and in_kwargs != source:
                 raise bad_request("`chat_template` and `chat_template_kwargs.chat_template` differ; send one",
                                   param="chat_template")

@@ -3,9 +3,13 @@ loop with cheap limits first and bounded renders, and the status codes of malfor
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -277,3 +281,23 @@ def test_unexpected_error_body_names_the_request_id_only(server: RunningServer,
     monkeypatch.undo()
     assert _post(server, "/detokenize", {"tokens": [1, 2]}).status_code == 200
     assert server.idle()
+
+
+# -- the benchmark of item 2 ------------------------------------------------------------------------
+
+def test_bench_health_runs_and_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "bench_health.json"
+    cmd = [sys.executable, "-m", "tools.bench_health", "--seconds", "2", "--idle-seconds", "0.5",
+           "--clients", "2", "--kinds", "tokenize_text,detokenize", "--max-model-len", "256",
+           "--kv-cache-memory", "64MiB", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "/health under load" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["limits"]["max_model_len"] == 256
+    assert report["limits"]["max_prompt_chars"] == 256 * report["limits"]["longest_token_chars"]
+    kinds = report["kinds"]
+    assert set(kinds) == {"tokenize_text", "detokenize"}
+    assert all(k["finished"] >= 1 and k["ok"] == k["finished"] for k in kinds.values()), kinds
+    assert report["health"]["n"] >= 1 and report["health"]["p99_ms"] >= report["health"]["p50_ms"]
