@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import engine
 from server.engine_client import EngineClient
-from server.errors import APIError, bad_request, install_error_handlers
+from server.errors import APIError, install_error_handlers, internal_error, request_id_of
 from server.metrics import CONTENT_TYPE, format_spec_line, format_stats_line
 from server.protocol import (
     ChatCompletionRequest,
@@ -108,15 +108,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _guard(work: Awaitable[Response]) -> Response:
+async def _guard(raw: Request, work: Awaitable[Response]) -> Response:
     """Turn an unexpected exception into a 500 for this request only (logged once, here)."""
     try:
         return await work
     except APIError:
         raise
     except Exception as e:
-        logger.exception("unhandled error while serving a request")
-        raise APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error") from e
+        raise internal_error(request_id_of(raw), e) from e
 
 
 async def _log_stats(client: EngineClient, interval: float) -> None:
@@ -173,39 +172,22 @@ async def models(raw: Request) -> ModelList:
 
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-    return await _guard(_serving(raw).chat(req, raw))
+    return await _guard(raw, _serving(raw).chat(req, raw))
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, raw: Request) -> Response:
-    return await _guard(_serving(raw).completions(req, raw))
+    return await _guard(raw, _serving(raw).completions(req, raw))
 
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
-    client, serving = _client(raw), _serving(raw)
-    serving.resolve_model(req.model)
-    req.check()
-    if req.prompt is not None:
-        add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = serving.tokens.encode(req.prompt, add_special)
-    else:
-        assert req.messages is not None
-        ids = serving.tokens.render_chat(req.messages, req.add_generation_prompt,
-                                         req.continue_final_message, req.chat_template_kwargs)
-    strs = list(client.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids, token_strs=strs)
+    return await _serving(raw).tokenize(req)
 
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
-    serving = _serving(raw)
-    serving.resolve_model(req.model)
-    vocab = _client(raw).core.loaded.vocab_size
-    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is out of vocabulary (size {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=serving.tokens.decode(req.tokens, skip_special_tokens=False))
+    return await _serving(raw).detokenize(req)
 
 
 @router.get("/metrics")

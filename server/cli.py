@@ -52,6 +52,11 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--seed", "seed", {"type": int}),
     ("--chat-template", "chat_template", {"metavar": "FILE"}),
     ("--trust-remote-code", "trust_remote_code", {"action": "store_true"}),
+    ("--trust-request-chat-template", "trust_request_chat_template", {"action": "store_true"}),
+    ("--default-chat-template-kwargs", "default_chat_template_kwargs", {"metavar": "JSON"}),
+    ("--chat-template-timeout", "chat_template_timeout", {"type": float, "metavar": "SECONDS"}),
+    ("--max-prompt-chars", "max_prompt_chars", {"type": int}),
+    ("--preprocess-threads", "preprocess_threads", {"type": int}),
     ("--api-key", "api_key", {"metavar": "KEY"}),
     ("--max-waiting-requests", "max_waiting_requests", {"type": int}),
     ("--max-request-body-size", "max_request_body_size", {"metavar": "SIZE"}),
@@ -227,12 +232,12 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
     if "api_key" not in values and environ.get(API_KEY_ENV):
         values["api_key"] = environ[API_KEY_ENV]
     values.update(given)
-    spec = values.get("speculative_config")
-    if isinstance(spec, str):
-        try:
-            values["speculative_config"] = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+    for key in ("speculative_config", "default_chat_template_kwargs"):
+        if isinstance(values.get(key), str):
+            try:
+                values[key] = json.loads(values[key])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--{key.replace('_', '-')} is not valid JSON: {e}") from e
     try:
         return ServerSettings(**values)
     except ValidationError as e:
@@ -296,7 +301,12 @@ def serve(settings: ServerSettings) -> int:
         logger.info("speculative decoding: %s", json.dumps(settings.speculative_config))
     if settings.api_key:
         logger.info("API key required (all endpoints but /health and /metrics)")
-    app = build_app(settings, client)
+    try:
+        app = build_app(settings, client)
+    except ValueError as e:  # the chat template or its default kwargs do not fit the model
+        logger.error("cannot start: %s", e)
+        sock.close()
+        return 2
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     logger.info("serving on http://%s:%d (OpenAI API at http://%s:%d/v1)", host, port, host, port)

@@ -8,6 +8,7 @@ the `openai` SDK always see the same envelope.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,7 +45,22 @@ class APIError(Exception):
 
 def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": _utf8(message), "type": type,
+                      "param": None if param is None else _utf8(param), "code": code}}
+
+
+def _utf8(text: str) -> str:
+    # Messages may quote the request (a field name, a model name); a lone surrogate from its JSON would
+    # make the error body itself unencodable.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def internal_error(request_id: str, exc: BaseException) -> APIError:
+    """A 500 for an unexpected exception: logged in full under the request id, which is all the body
+    names (exception text can hold other requests' data or the server's internals)."""
+    logger.error("request %s: internal server error", request_id, exc_info=exc)
+    return APIError(500, f"internal server error; the server log has the details under request id "
+                         f"{request_id}", code="internal_error")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -102,6 +118,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # One request's bug must not take the server down: log it and fail only this request.
-        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
-                        code="internal_error").response()
+        return internal_error(request_id_of(request), exc).response()
+
+
+def request_id_of(request: Request) -> str:
+    """The id the endpoint gave this request, or a new one (for errors raised before it had one)."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request.state.request_id = f"req-{uuid.uuid4().hex}"
+    return rid

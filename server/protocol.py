@@ -75,6 +75,12 @@ class ChatMessage(_Request):
             texts.append(part.text)
         return "".join(texts)
 
+    def num_chars(self) -> int:
+        """Length of the text `text_of` would return, without building it."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(part.text or "") for part in self.content or [])
+
 
 # OpenAI fields without an implementation here: accepted only with these neutral values.
 _NEUTRAL: dict[str, Any] = {
@@ -178,6 +184,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM extensions for the chat template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     # accepted with neutral values only
     tools: list[dict[str, Any]] | None = None
@@ -254,6 +261,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -262,6 +270,9 @@ class TokenizeRequest(_Request):
             raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
         if self.messages is not None and not self.messages:
             raise bad_request("messages must not be empty", param="messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("`continue_final_message` needs `add_generation_prompt` false",
+                              param="continue_final_message")
 
 
 class DetokenizeRequest(_Request):

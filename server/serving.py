@@ -16,9 +16,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -26,8 +27,9 @@ from starlette.types import Receive, Scope, Send
 from engine.detokenize import StopMatcher, stop_matcher
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprob
+from server.chat_template import ChatTemplate, compile_template, forbidden_kwarg
 from server.engine_client import EngineClient, EngineDeadError, RequestStream, SubRequest
-from server.errors import APIError, bad_request, error_body
+from server.errors import APIError, bad_request, internal_error
 from server.protocol import (
     MAX_CHOICES,
     ChatChoice,
@@ -36,6 +38,7 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatMessageOut,
     ChatTokenLogprob,
     CompletionChoice,
@@ -43,21 +46,26 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     PromptTokensDetails,
     SpecDecodeUsage,
     StopLimits,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     Usage,
     now,
 )
 from server.settings import ServerSettings
-from server.tokens import TokenText
+from server.tokens import TokenText, longest_token
 
 logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _CHAT_NAMES = {"logprobs": "top_logprobs"}  # engine field -> chat request field
+T = TypeVar("T")
 
 
 def _finite(lp: float) -> float:
@@ -170,15 +178,49 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def _model_template(tokenizer: Any) -> str | None:
+    try:
+        return tokenizer.get_chat_template()
+    except (ValueError, AttributeError):  # the model has none
+        return None
+
+
 class OpenAIServing:
+    """Raises ValueError for settings that do not fit the model (the chat template or its defaults)."""
+
     def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
         self.client = client
         self.settings = settings
-        self.tokens = TokenText(client.tokenizer)
+        self.max_prompt_chars = (settings.max_prompt_chars
+                                 or client.max_model_len * longest_token(client.tokenizer))
+        self.tokens = TokenText(client.tokenizer, self.max_prompt_chars)
         self.log_requests = not settings.disable_log_requests
         self.spec_metrics = settings.per_request_spec_decode_metrics == "summary"
         self.stop_limits = StopLimits(settings.max_stop_strings, settings.max_stop_chars,
                                       settings.max_stop_token_ids)
+        # Rendering and tokenizing run on these threads; requests beyond them wait without blocking the loop.
+        self._preprocess = anyio.CapacityLimiter(settings.preprocess_threads)
+        source = settings.chat_template or _model_template(client.tokenizer)
+        try:
+            self.chat_template = compile_template(source) if source is not None else None
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template is not valid Jinja: {e}") from e
+        self.default_template_kwargs = self._check_default_kwargs(settings.default_chat_template_kwargs or {})
+
+    def _check_default_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        bad = forbidden_kwarg(defaults, self.tokens.special_tokens)
+        if bad is not None:
+            raise ValueError(f"--default-chat-template-kwargs: `{bad}` is a tokenizer option or a name the "
+                             f"server fills in, not a chat template variable")
+        unread = sorted(set(defaults) - (self.chat_template.variables if self.chat_template else frozenset()))
+        if unread:
+            logger.warning("--default-chat-template-kwargs: the chat template does not read %s; ignored "
+                           "unless a request's own template does", ", ".join(unread))
+        return defaults
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-heavy preprocessing on the bounded thread pool, keeping the event loop free."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._preprocess)
 
     # -- shared steps --------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -202,11 +244,71 @@ class OpenAIServing:
                 setattr(p, name, value)
         return p
 
+    @staticmethod
+    def check_choices(num_prompts: int, n: int) -> None:
+        if num_prompts * n > MAX_CHOICES:
+            raise bad_request(f"too many choices: {num_prompts} prompts x n={n} > {MAX_CHOICES}", param="n")
+
+    def check_messages(self, messages: list[ChatMessage]) -> None:
+        """Cheap bounds before rendering: more messages than context tokens, or more text than any prompt
+        that fits the context, cannot make a prompt."""
+        max_len = self.client.max_model_len
+        if len(messages) > max_len:
+            raise bad_request(f"{len(messages)} messages are more than max_model_len={max_len} tokens can "
+                              f"hold", param="messages")
+        chars = sum(m.num_chars() for m in messages)
+        if chars > self.max_prompt_chars:
+            raise bad_request(f"the messages have {chars} characters; the limit is {self.max_prompt_chars} "
+                              f"(--max-prompt-chars)", param="messages", code="prompt_too_long")
+
+    def template_request(self, source: str | None, kwargs: dict[str, Any] | None) -> tuple[str | None,
+                                                                                           dict[str, Any]]:
+        """Cheap checks of a request's template fields: whether it may bring a template (the `chat_template`
+        field, or a kwarg of that name), and no kwarg naming a tokenizer option or a server-filled variable.
+        Returns the request's template (None: the server's) and its kwargs."""
+        kwargs = dict(kwargs or {})
+        param = "chat_template"
+        in_kwargs = kwargs.pop("chat_template", None)
+        if in_kwargs is not None:
+            if source is not None and in_kwargs != source:
+                raise bad_request("`chat_template` and `chat_template_kwargs.chat_template` differ; send one",
+                                  param="chat_template")
+            if not isinstance(in_kwargs, str):
+                raise bad_request("`chat_template_kwargs.chat_template` must be a string",
+                                  param="chat_template_kwargs.chat_template")
+            source, param = in_kwargs, "chat_template_kwargs.chat_template"
+        if source is not None and not self.settings.trust_request_chat_template:
+            raise bad_request("this server does not render chat templates sent with requests (start it with "
+                              "--trust-request-chat-template to allow them)", param=param)
+        bad = forbidden_kwarg(kwargs, self.tokens.special_tokens)
+        if bad is not None:
+            raise bad_request(f"`chat_template_kwargs.{bad}` is not allowed: chat_template_kwargs may set "
+                              f"the chat template's own variables only, not tokenizer options or the names "
+                              f"the server fills in", param=f"chat_template_kwargs.{bad}")
+        if source is None and self.chat_template is None:
+            raise bad_request("this model has no chat template; pass --chat-template or use /v1/completions")
+        return source, kwargs
+
+    def render_chat(self, messages: list[ChatMessage], source: str | None, kwargs: dict[str, Any],
+                    add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        """The chat's prompt tokens (blocking: call through `offload`). Variables the template does not
+        read are dropped, as vLLM drops them: clients send e.g. `enable_thinking` to every model."""
+        template: ChatTemplate | None = self.chat_template
+        if source is not None:
+            try:
+                template = compile_template(source)
+            except jinja2.TemplateSyntaxError as e:
+                raise bad_request(f"the chat template is not valid Jinja: {e}",
+                                  param="chat_template") from None
+        assert template is not None  # template_request refused the request otherwise
+        merged = {**self.default_template_kwargs, **kwargs}
+        variables = {k: v for k, v in merged.items() if k in template.variables}
+        return self.tokens.render_chat(messages, template, variables, add_generation_prompt,
+                                       continue_final_message, self.settings.chat_template_timeout)
+
     def prepare(self, prompts: list[list[int]], params: SamplingParams, n: int,
                 renames: dict[str, str] | None = None) -> list[SubRequest]:
         """Validate every prompt with the engine and expand to one sub-request per choice."""
-        if len(prompts) * n > MAX_CHOICES:
-            raise bad_request(f"too many choices: {len(prompts)} prompts x n={n} > {MAX_CHOICES}", param="n")
         max_len = self.client.max_model_len
         for ids in prompts:
             if params.max_tokens is not None and isinstance(params.max_tokens, int) and (
@@ -266,15 +368,15 @@ class OpenAIServing:
                                 f"--max-waiting-requests {limit}; retry later",
                            code="server_overloaded", headers={"Retry-After": "1"})
 
-    @staticmethod
-    async def _build_stop_matchers(request_id: str, subs: list[SubRequest]) -> None:
+    async def _build_stop_matchers(self, request_id: str, subs: list[SubRequest]) -> None:
         """Compile each distinct stop list once, in a worker thread (its cost grows with the strings'
-        length, bounded by --max-stop-chars): neither the event loop nor the engine thread pays for it."""
+        length, bounded by --max-stop-chars) on the preprocessing threads: neither the event loop nor the
+        engine thread pays for it."""
         keys = {tuple(s.params.stop) for s in subs if s.params.stop}
         if not keys:
             return
         try:
-            built: dict[tuple[str, ...], StopMatcher | None] = await asyncio.to_thread(
+            built: dict[tuple[str, ...], StopMatcher | None] = await self.offload(
                 lambda: {key: stop_matcher(key) for key in keys})
         except MemoryError as e:
             logger.error("request %s: out of memory compiling its stop strings", request_id)
@@ -352,14 +454,23 @@ class OpenAIServing:
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        request_id = raw.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = self.resolve_model(req.model)
         req.check(self.settings.max_n, self.stop_limits)
-        prompt = self.tokens.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                         req.chat_template_kwargs)
+        self.check_choices(1, req.n)
+        self.check_messages(req.messages)
+        source, kwargs = self.template_request(req.chat_template, req.chat_template_kwargs)
         params = self.sampling_params(req, req.output_limit, req.num_logprobs)
-        subs = self.prepare([prompt], params, req.n, _CHAT_NAMES if req.max_completion_tokens is None
-                            else {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"})
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        renames = _CHAT_NAMES
+        if req.max_completion_tokens is not None:
+            renames = {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"}
+
+        def preprocess() -> list[SubRequest]:
+            prompt = self.render_chat(req.messages, source, kwargs, req.add_generation_prompt,
+                                      req.continue_final_message)
+            return self.prepare([prompt], params, req.n, renames)
+
+        subs = await self.offload(preprocess)
         stream = await self.submit(request_id, subs)
         if req.stream:
             return EventStreamResponse(self._chat_events(req, stream, model, len(subs)), stream.close)
@@ -427,29 +538,32 @@ class OpenAIServing:
             yield sse(_json(e.body()))
             self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
         except Exception as e:  # noqa: BLE001 - fail this stream only, in the OpenAI shape
-            logger.exception("error while streaming %s", stream.request_id)
-            yield sse(_json(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
-                                       code="internal_error")))
+            yield sse(_json(internal_error(stream.request_id, e).body()))
         finally:
             stream.close()
         yield SSE_DONE
 
     # -- completions ---------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        request_id = raw.state.request_id = f"cmpl-{uuid.uuid4().hex}"
         model = self.resolve_model(req.model)
         req.check(self.settings.max_n, self.stop_limits)
-        prompts: list[list[int]] = []
-        texts: list[str] = []
-        for p in req.prompts():
+        prompts = req.prompts()
+        self.check_choices(len(prompts), req.n)
+        for p in prompts:
             if isinstance(p, str):
-                prompts.append(self.tokens.encode(p, req.add_special_tokens))
-                texts.append(p)
-            else:
-                prompts.append(list(p))
-                texts.append(self.tokens.decode(p, skip_special_tokens=False) if req.echo else "")
+                self.tokens.check_length(p, "prompt")
         params = self.sampling_params(req, req.output_limit, req.logprobs)
-        subs = self.prepare(prompts, params, req.n)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def preprocess() -> tuple[list[SubRequest], list[str]]:
+            ids = [self.tokens.encode(p, req.add_special_tokens) if isinstance(p, str) else p
+                   for p in prompts]
+            subs = self.prepare(ids, params, req.n)  # token ids are range-checked here, before any decoding
+            texts = [p if isinstance(p, str) else self.tokens.decode(p, skip_special_tokens=False)
+                     for p in prompts] if req.echo else []
+            return subs, texts
+
+        subs, texts = await self.offload(preprocess)
         stream = await self.submit(request_id, subs)
         echoes = [texts[i // req.n] if req.echo else "" for i in range(len(subs))]
         if req.stream:
@@ -494,6 +608,47 @@ class OpenAIServing:
         opening = [chunk([CompletionChoice(index=i, text=echo)]) for i, echo in enumerate(echoes) if echo]
         async for event in self._events(req, stream, len(echoes), chunk, opening, delta):
             yield event
+
+    # -- /tokenize, /detokenize ----------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.resolve_model(req.model)
+        req.check()
+        if req.prompt is not None:
+            prompt = req.prompt
+            self.tokens.check_length(prompt, "prompt")
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+
+            def encode() -> list[int]:
+                return self.tokens.encode(prompt, add_special)
+        else:
+            messages = req.messages
+            assert messages is not None
+            self.check_messages(messages)
+            source, kwargs = self.template_request(req.chat_template, req.chat_template_kwargs)
+
+            def encode() -> list[int]:
+                return self.render_chat(messages, source, kwargs, req.add_generation_prompt,
+                                        req.continue_final_message)
+
+        def preprocess() -> tuple[list[int], list[str] | None]:
+            ids = encode()
+            strs = list(self.client.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+            return ids, strs
+
+        ids, strs = await self.offload(preprocess)
+        return TokenizeResponse(count=len(ids), max_model_len=self.client.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.resolve_model(req.model)
+        max_len, vocab = self.client.max_model_len, self.client.core.loaded.vocab_size
+        if len(req.tokens) > max_len:
+            raise bad_request(f"{len(req.tokens)} tokens are more than max_model_len={max_len}",
+                              param="tokens")
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of vocabulary (size {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=await self.offload(self.tokens.decode, req.tokens, False))
 
 def _json(obj: object) -> str:
     import json

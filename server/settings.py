@@ -69,6 +69,22 @@ class ServerSettings(BaseModel):
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM compatibility (no remote code is run)")
 
+    # -- prompts and chat templates --------------------------------------------------------------
+    trust_request_chat_template: bool = Field(
+        False, description="let requests bring their own chat template (`chat_template`, or the "
+                           "`chat_template` key of `chat_template_kwargs`); refused with 400 otherwise")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="chat template variables as JSON, e.g. '{\"enable_thinking\": false}'; a "
+                          "request's `chat_template_kwargs` override them")
+    chat_template_timeout: float = Field(
+        5.0, gt=0, description="seconds a chat template may take to render; past them the request gets 400")
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="longest prompt (or chat) in characters, refused with 400 before tokenizing "
+                                "(default: max_model_len x the longest vocabulary entry, which no prompt "
+                                "that fits the context exceeds)")
+    preprocess_threads: int = Field(
+        2, ge=1, description="threads that render chat templates and tokenize, off the event loop")
+
     # -- HTTP ----------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from server.chat_template import ChatTemplate, RenderLimitError
 from server.errors import bad_request
 from server.protocol import ChatMessage
 
@@ -29,11 +30,24 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-class TokenText:
-    """Text and UTF-8 bytes of single tokens (cached), and prompt/chat encoding."""
+_CONTINUE_MARK = "\U000f0000"  # a private-use character no template alters (no case, not whitespace)
 
-    def __init__(self, tokenizer: Any) -> None:
+
+def longest_token(tokenizer: Any) -> int:
+    """Characters of the longest vocabulary entry: an upper bound on the text one token decodes to
+    (byte-level BPE: one character per byte; SentencePiece pieces are no shorter than their text)."""
+    return max(len(t) for t in tokenizer.get_vocab())
+
+
+class TokenText:
+    """Text and UTF-8 bytes of single tokens (cached), and prompt/chat encoding of texts up to
+    `max_chars` characters."""
+
+    def __init__(self, tokenizer: Any, max_chars: int) -> None:
         self.tokenizer = tokenizer
+        self.max_chars = max_chars
+        # Every render gets them, as transformers' apply_chat_template passes them.
+        self.special_tokens: dict[str, Any] = dict(getattr(tokenizer, "special_tokens_map", None) or {})
         self._byte_level = self._is_byte_level(tokenizer)
         self._text = lru_cache(maxsize=1 << 16)(self._token_text)
         self._bytes = lru_cache(maxsize=1 << 16)(self._token_bytes)
@@ -66,31 +80,50 @@ class TokenText:
         return self._bytes(token_id)
 
     # -- prompts -------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_length(self, text: str, param: str) -> None:
+        """The cheap check before tokenizing: no prompt that fits the model's context is longer."""
+        if len(text) > self.max_chars:
+            raise bad_request(f"{param} has {len(text)} characters; the limit is {self.max_chars} "
+                              f"(--max-prompt-chars)", param=param, code="prompt_too_long")
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_length(text, param)
+        try:
+            text.encode("utf-8")  # JSON can carry lone surrogates; the tokenizer takes valid Unicode only
+        except UnicodeEncodeError as e:
+            raise bad_request(f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
+                              f"character {e.start}", param=param) from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Apply the model's chat template and tokenize (the template adds any special tokens)."""
+    def render_chat(self, messages: list[ChatMessage], template: ChatTemplate, variables: dict[str, Any],
+                    add_generation_prompt: bool, continue_final_message: bool, timeout: float) -> list[int]:
+        """Render the chat template (bounded: `timeout` seconds, `max_chars`) and tokenize; the template
+        adds any special tokens. `variables` are the template kwargs, already checked."""
         conversation = []
         for i, m in enumerate(messages):
             role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
             conversation.append({"role": role, "content": m.text_of(i)})
-        if continue_final_message and conversation[-1]["role"] != "assistant":
-            raise bad_request("`continue_final_message` needs the last message to be the assistant's",
-                              param="continue_final_message")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise bad_request("this model has no chat template; pass --chat-template or use /v1/completions")
-        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            if conversation[-1]["role"] != "assistant":
+                raise bad_request("`continue_final_message` needs the last message to be the assistant's",
+                                  param="continue_final_message")
+            conversation[-1]["content"] += _CONTINUE_MARK
+        context = {**self.special_tokens, **variables, "messages": conversation, "tools": None,
+                   "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            out = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, **kwargs)
+            text = template.render(context, timeout, self.max_chars)
+        except RenderLimitError as e:
+            raise bad_request(str(e), param="messages", code="chat_template_limit") from None
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the caller's
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from e
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return [int(t) for t in ids]
+        if continue_final_message:
+            # Cut where the last message ends, so the model goes on writing it.
+            end = text.rfind(_CONTINUE_MARK)
+            if end < 0:
+                raise bad_request("`continue_final_message`: the chat template does not keep the end of the "
+                                  "last message", param="continue_final_message")
+            text = text[:end]
+        return self.encode(text, add_special_tokens=False, param="messages")

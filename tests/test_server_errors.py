@@ -134,7 +134,8 @@ def test_burst_of_bad_requests_then_correct_answer(server: RunningServer) -> Non
 
 
 def test_server_side_exception_is_500_and_server_keeps_serving(server: RunningServer,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     serving = server.app.state.serving
 
     def broken(*_: Any, **__: Any) -> Any:
@@ -142,12 +143,17 @@ def test_server_side_exception_is_500_and_server_keeps_serving(server: RunningSe
 
     monkeypatch.setattr(serving, "chat_logprobs", broken)
     resp = httpx.post(server.url + CHAT, json=chat(logprobs=True, temperature=0), timeout=60)
-    err = assert_openai_error(resp, 500, contains="boom")
-    assert err["code"] == "internal_error"
+    # The body names the request id, never the exception's text; the log has both.
+    err = assert_openai_error(resp, 500, contains="request id chatcmpl-")
+    assert err["code"] == "internal_error" and "boom" not in resp.text
+    request_id = err["message"].rsplit(" ", 1)[-1]
+    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert logged and "boom in the logprobs formatter" in str(logged[0].exc_info[1])
     with httpx.stream("POST", server.url + CHAT, json=chat(logprobs=True, stream=True), timeout=60) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    assert "boom" in json.loads(events[-2])["error"]["message"]
+    message = json.loads(events[-2])["error"]["message"]
+    assert "boom" not in message and json.loads(events[0])["id"] in message
     monkeypatch.undo()
     ok = httpx.post(server.url + CHAT, json=chat(logprobs=True, temperature=0), timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"]["content"]
