@@ -1,1 +1,2 @@
-"""Load tests for OpenAI-compatible servers: `python -m loadtests {run,compare,plot,suite}`."""
+"""The benchmark harness behind `specserve bench serve|offline|sweep` (loadtests/cli.py). The engine never
+imports it; `tools/` keeps the kernel and engine microbenchmarks."""

@@ -1,6 +1,6 @@
 """One streaming request against an OpenAI-compatible server, timed chunk by chunk.
 
-Definitions follow vLLM's benchmark_serving so numbers compare across servers:
+Definitions follow vLLM's `vllm bench serve` so numbers compare across servers:
 - TTFT: request sent -> first chunk carrying generated text.
 - ITL: gaps between successive text chunks (with speculation one chunk can hold several tokens).
 - TPOT: (e2e - TTFT) / (output tokens - 1), output tokens from `usage` when the server reports it.
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.workloads import WorkItem
+from loadtests.datasets import WorkItem
 
 
 @dataclass(slots=True)
@@ -48,12 +48,18 @@ class RequestResult:
         return d
 
 
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
 @dataclass(slots=True)
 class RequestOptions:
-    endpoint: str = "chat"  # "chat" -> /v1/chat/completions, "completions" -> /v1/completions
+    endpoint: str = CHAT
     model: str | None = None  # None: leave the field out (the server's default model)
-    max_tokens: int = 64
+    max_tokens: int = 64  # for items that do not set their own
+    temperature: float | None = None  # None: each item's own (greedy unless the dataset samples)
     ignore_eos: bool = False
+    api_key: str | None = None
     timeout_s: float = 600.0
     max_retries: int = 2  # the openai SDK's default
     extra_body: dict[str, Any] = field(default_factory=dict)
@@ -62,8 +68,8 @@ class RequestOptions:
 def build_payload(item: WorkItem, opts: RequestOptions) -> tuple[str, dict[str, Any]]:
     """-> (path, JSON body)."""
     body: dict[str, Any] = {
-        "max_tokens": opts.max_tokens,
-        "temperature": item.temperature,
+        "max_tokens": item.max_tokens or opts.max_tokens,
+        "temperature": item.temperature if opts.temperature is None else opts.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -73,11 +79,15 @@ def build_payload(item: WorkItem, opts: RequestOptions) -> tuple[str, dict[str, 
         body["ignore_eos"] = True  # vLLM / specserve extension; other servers ignore or refuse it
     body.update(item.extra)
     body.update(opts.extra_body)
-    if opts.endpoint == "chat":
-        return "/v1/chat/completions", {**body, "messages": item.messages}
-    if opts.endpoint == "completions":
-        return "/v1/completions", {**body, "prompt": item.prompt_text()}
-    raise ValueError(f"unknown endpoint {opts.endpoint!r}")
+    if item.prompt_ids is not None:
+        if opts.endpoint != COMPLETIONS:
+            raise ValueError(f"token-id prompts need the {COMPLETIONS} endpoint")
+        return COMPLETIONS, {**body, "prompt": item.prompt_ids}
+    if opts.endpoint == CHAT:
+        return CHAT, {**body, "messages": item.messages}
+    if opts.endpoint == COMPLETIONS:
+        return COMPLETIONS, {**body, "prompt": item.prompt_text()}
+    raise ValueError(f"unknown endpoint {opts.endpoint!r} ({CHAT} or {COMPLETIONS})")
 
 
 def _chunk_text(obj: dict[str, Any]) -> str:
@@ -102,7 +112,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, item: WorkIte
                          run_t0: float) -> RequestResult:
     path, body = build_payload(item, opts)
     t0 = time.perf_counter()  # latencies count from the first attempt: what the user waits for
-    res = RequestResult(item_id=item.id, temperature=item.temperature, start=t0 - run_t0)
+    res = RequestResult(item_id=item.id, temperature=body["temperature"], start=t0 - run_t0)
     for attempt in range(opts.max_retries + 1):
         try:
             await _attempt(client, base_url.rstrip("/") + path, body, opts, res, t0)
@@ -125,7 +135,8 @@ async def _attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], op
                    res: RequestResult, t0: float) -> None:
     res.error = None
     try:
-        cm = client.stream("POST", url, json=body, timeout=opts.timeout_s)
+        headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
+        cm = client.stream("POST", url, json=body, headers=headers, timeout=opts.timeout_s)
         try:
             resp = await cm.__aenter__()
         except httpx.TransportError as e:
@@ -174,3 +185,21 @@ async def _read_stream(resp: httpx.Response, res: RequestResult, t0: float) -> N
     res.ok = res.ttft is not None or res.output_tokens == 0
     if not res.ok:
         res.error = "no text received"
+
+
+def resolve_model(base_url: str, api_key: str | None = None) -> str | None:
+    """The first model the server lists at /v1/models (what vLLM's client does without --model); None when
+    it lists none or has no such route, and requests then leave the field out."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+        data = resp.json().get("data") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return str(data[0]["id"]) if data and isinstance(data[0], dict) and "id" in data[0] else None
+
+
+def normalize_base_url(url: str) -> str:
+    """The server root: users paste the OpenAI base URL (".../v1") as often as the root."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url

@@ -1,4 +1,5 @@
-"""Tables (stdout and Markdown), the JSON result file, and the environment it was measured in."""
+"""Result files and tables: the JSON document `bench serve` and `bench sweep` write, the environment it
+was measured in, stdout / Markdown tables."""
 
 from __future__ import annotations
 
@@ -6,48 +7,39 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "specserve-loadtest/1"
+SCHEMA = "specserve-bench/1"
 
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _s(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
-def _num(v: float | None, fmt: str = ".1f") -> str:
+def num(v: float | None, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
 def _spec(level: dict[str, Any], key: str, fmt: str) -> str:
-    spec = level.get("spec_decode") or {}
-    return _num(spec.get(key), fmt)
+    return num((level.get("spec_decode") or {}).get(key), fmt)
 
 
 def level_columns(with_label: bool = True) -> list[Column]:
     cols: list[Column] = []
     if with_label:
-        cols += [("server", lambda r: r["label"]), ("workload", lambda r: r["workload"])]
+        cols += [("server", lambda r: r["label"]), ("dataset", lambda r: r["dataset"])]
     cols += [
         ("level", lambda r: r["level"]),
         ("ok/n", lambda r: f"{r['completed']}/{r['num_requests']}"),
-        ("tok/s", lambda r: _num(r["output_throughput_tok_s"])),
-        ("req/s", lambda r: _num(r["request_throughput_rps"], ".2f")),
+        ("tok/s", lambda r: num(r["output_throughput_tok_s"])),
+        ("req/s", lambda r: num(r["request_throughput_rps"], ".2f")),
     ]
-    for name, key, fmt in (("TTFT", "ttft_s", _ms), ("TPOT", "tpot_s", _ms), ("e2e", "e2e_s", _s)):
-        unit = "s" if key == "e2e_s" else "ms"
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("e2e", "e2e_ms")):
         for p in ("p50", "p90", "p99"):
-            cols.append((f"{name} {p} {unit}", lambda r, k=key, q=p, f=fmt: f(r[k][q])))
+            cols.append((f"{name} {p} ms", lambda r, k=key, q=p: num(r[k][q], ".0f")))
     cols += [("acc rate", lambda r: _spec(r, "acceptance_rate", ".2f")),
              ("acc len", lambda r: _spec(r, "mean_acceptance_length", ".2f"))]
     return cols
@@ -66,14 +58,61 @@ def format_table(rows: list[dict[str, Any]], columns: list[Column], markdown: bo
 
 
 def flat_levels(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every level of every run, tagged with its run's label and workload."""
-    return [{"label": run["label"], "workload": run["workload"], **lvl}
+    """Every level of every run, tagged with its run's label and dataset."""
+    return [{"label": run["label"], "dataset": run["dataset"], **lvl}
             for run in runs for lvl in run["levels"]]
 
 
-def _versions() -> dict[str, str | None]:
+def serving_result(level: dict[str, Any]) -> str:
+    """One level as `vllm bench serve` prints it, acceptance included when the server drafts."""
+    width = 50
+
+    def head(title: str, fill: str = "-") -> str:
+        return f" {title} ".center(width, fill)
+
+    def row(name: str, value: Any) -> str:
+        return f"{name:<40}{value:<10}"
+
+    rate = level.get("request_rate")
+    lines = [head("Serving Benchmark Result", "="),
+             row("Successful requests:", level["completed"]), row("Failed requests:", level["failed"]),
+             row("Request rate configured (RPS):", "inf" if rate is None else f"{rate:.2f}"),
+             row("Maximum request concurrency:", level.get("max_concurrency") or "none"),
+             row("Benchmark duration (s):", f"{level['duration_s']:.2f}"),
+             row("Total input tokens:", level["input_tokens"]),
+             row("Total generated tokens:", level["output_tokens"]),
+             row("Request throughput (req/s):", num(level["request_throughput_rps"], ".2f")),
+             row("Output token throughput (tok/s):", num(level["output_throughput_tok_s"], ".2f"))]
+    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl_ms", "Inter-token Latency", "ITL"),
+                              ("e2e_ms", "End-to-end Latency", "E2EL")):
+        d = level[key]
+        lines += [head(title), row(f"Mean {short} (ms):", num(d["mean"], ".2f"))]
+        lines += [row(f"{'Median' if p == 'p50' else p.upper()} {short} (ms):", num(d[p], ".2f"))
+                  for p in ("p50", "p90", "p99")]
+    spec = level.get("spec_decode")
+    if spec and spec["num_drafts"]:
+        per_pos = ", ".join(num(r, ".2f") for r in spec["acceptance_rate_per_position"])
+        lines += [head("Speculative Decoding"),
+                  row("Acceptance rate (%):", num(100 * (spec["acceptance_rate"] or 0), ".2f")),
+                  row("Acceptance length:", num(spec["mean_acceptance_length"], ".2f")),
+                  row("Drafts:", spec["num_drafts"]), row("Draft tokens:", spec["num_draft_tokens"]),
+                  row("Accepted tokens:", spec["num_accepted_tokens"]),
+                  "Per-position acceptance rate: " + per_pos]
+    if level.get("errors"):
+        lines += [head("Errors"), *level["errors"]]
+    return "\n".join([*lines, "=" * width])
+
+
+def slug(label: str) -> str:
+    """A label as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+
+
+def package_versions(packages: tuple[str, ...]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for pkg in ("specserve", "httpx", "mlx", "mlx-lm", "matplotlib"):
+    for pkg in packages:
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -88,7 +127,7 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "client_packages": _versions(),
+        "client_packages": package_versions(("specserve", "httpx", "mlx", "mlx-lm", "matplotlib")),
     }
 
 
@@ -96,8 +135,9 @@ def result_document(kind: str, config: dict[str, Any], runs: list[dict[str, Any]
                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
-        "kind": kind,  # "run" | "compare" | "suite"
+        "kind": kind,  # "serve" | "sweep"
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": sys.argv,
         "environment": environment(),
         "config": config,
         "runs": runs,
@@ -119,5 +159,5 @@ def write_json(doc: dict[str, Any], path: str | Path, keep_requests: bool = True
 def load_json(path: str | Path) -> dict[str, Any]:
     doc = json.loads(Path(path).read_text())
     if doc.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a load-test result ({SCHEMA})")
+        raise ValueError(f"{path}: not a bench result ({SCHEMA})")
     return doc

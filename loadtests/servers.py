@@ -20,12 +20,9 @@ from typing import Any
 
 import httpx
 
-from specserve_configs import shipped
+from loadtests.resources import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-MLXLM_VENV = REPO / ".venv-mlxlm"
-# The MTP assistant trained for the default model by `specserve train-assistant` (shipped).
-DEFAULT_MTP_ASSISTANT = str(shipped("assistants", "smollm2-135m-mtp"))
+MLXLM_VENV = ROOT / ".venv-mlxlm"
 
 
 @dataclass
@@ -41,6 +38,21 @@ class ServerSpec:
 
 def split_command(cmd: str | list[str]) -> list[str]:
     return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def server_spec(label: str, value: str) -> ServerSpec:
+    """`--server LABEL=VALUE`: VALUE is the URL of a running server, or a command line to start on
+    loopback, optionally led by environment assignments as in a shell (`SPECSERVE_X=1 specserve serve`)."""
+    if value.startswith(("http://", "https://")):
+        return ServerSpec(label=label, url=value.rstrip("/"))
+    words = split_command(value)
+    env = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        name, val = words.pop(0).split("=", 1)
+        env[name] = val
+    if not words:
+        raise ValueError(f"--server {label}=...: no command after the environment assignments")
+    return ServerSpec(label=label, command=words, env=env)
 
 
 def free_port() -> int:
@@ -153,8 +165,8 @@ class ServerProcess:
 
 def specserve_command(spec_config: dict[str, Any] | None = None, max_model_len: int = 2048,
                       kv_cache_memory: str = "1GiB", extra: list[str] | None = None) -> list[str]:
-    exe = Path(sys.executable).with_name("specserve")
-    cmd = [str(exe) if exe.exists() else "specserve", "serve", "--max-model-len", str(max_model_len),
+    # This interpreter and the `server` package it imports: the same code as the harness's own.
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--max-model-len", str(max_model_len),
            "--kv-cache-memory", kv_cache_memory, "--disable-log-requests", "--log-stats-interval", "0"]
     if spec_config is not None:
         import json
@@ -166,15 +178,10 @@ def specserve_command(spec_config: dict[str, Any] | None = None, max_model_len: 
 def run_python(code: str, python: str | None = None, timeout: float = 600) -> str:
     """Run a snippet in a fresh interpreter (keeps mlx out of the load generator's process)."""
     out = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=timeout, cwd=REPO)
+                         timeout=timeout, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"python snippet failed: {out.stderr.strip()[-800:]}")
     return out.stdout.strip()
-
-
-def default_model_folder() -> str:
-    return run_python("import engine\nfrom engine.models.loader import default_model_folder\n"
-                      "print(default_model_folder(progress=False))")
 
 
 def ensure_mlxlm_venv(venv: Path = MLXLM_VENV) -> Path:

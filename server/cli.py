@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server on MLX.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{serve,prepare,train-assistant,train-draft}")
+                                metavar="{serve,prepare,train-assistant,train-draft,bench}")
 
     serve = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--max-prompts", type=int, help="prompts used from the set (0: all)")
     draft.add_argument("--max-tokens", type=int, help="tokens generated per answer")
     draft.add_argument("--seed", type=int)
+
+    from loadtests.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -394,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from engine.training.draft import main_cli as draft_cli
 
         return draft_cli(args)
+    if args.command == "bench":
+        from loadtests.cli import run as bench
+
+        return bench(args)
     try:
         settings = resolve_settings(args)
     except ValueError as e:

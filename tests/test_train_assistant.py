@@ -183,14 +183,14 @@ def test_served_first_draft_is_the_training_forward_argmax(tmp_path: Path) -> No
 
 
 def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> None:
-    """Through the real server: /metrics per-position counters equal the counts that
-    tools/benchmark/spec_benchmark.py collects from the engine's stats, for the same greedy requests
-    run one at a time (tiny target + an assistant trained for a few steps)."""
+    """Through the real server: /metrics per-position counters equal the counts that `specserve bench
+    offline` (loadtests/offline.py) collects from the engine's stats, for the same greedy requests run one
+    at a time (tiny target + an assistant trained for a few steps)."""
     import httpx
 
+    from loadtests.offline import run_batch
     from tests.conftest import run_server
     from tests.test_server_spec import spec_counters
-    from tools.benchmark.spec_benchmark import run_batch
 
     target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
     out = tmp_path / "assistant"

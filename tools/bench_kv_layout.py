@@ -26,8 +26,8 @@ import engine  # noqa: F401 - BLAS set-up before mlx
 from engine.llm import LLM, chat_prompt_ids
 from engine.models.loader import load_model
 from engine.sampling import SamplingParams
+from loadtests.datasets import load_dataset
 from tools.bench_engine import PROMPTS
-from tools.bench_spec import COPY_PROMPTS
 
 # Per comparison: (variant names, KV layout of each, attention backend of each).
 COMPARISONS = {"layout": (("block", "head"), ("block", "head"), ("reference", "reference")),
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, dtype="float32", progress=False)
     names, layouts, backends = COMPARISONS[args.compare]
     first, second = names
-    pool = PROMPTS + COPY_PROMPTS
+    pool = PROMPTS + [it.prompt_text() for it in load_dataset("copy")[:3]]
     rows: list[dict[str, Any]] = []
     identical = True
     for c in [int(x) for x in args.concurrency.split(",")]:

@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models.loader import load_model
     from engine.sampling import SamplingParams
     from engine.scheduler import ScheduledRequest, SchedulerOutput
-    from loadtests.workloads import load_workload
+    from loadtests.datasets import load_dataset
 
     c = args.requests
     loaded = load_model(None, "auto", None, None, progress=False)
     core = EngineCore(EngineConfig(max_model_len=2048, kv_cache_memory="512MiB", show_progress=False, seed=0),
                       loaded=loaded)
-    items = load_workload("copy")
+    items = load_dataset("copy")
     for i in range(c):
         core.add_request(f"r{i}", chat_prompt_ids(loaded.tokenizer, items[i % len(items)].messages),
                          SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))

@@ -1,10 +1,10 @@
-"""Validate a spec_benchmark result against spec_benchmark.schema.json.
+"""Validate a `bench offline` result against loadtests/data/spec_benchmark.schema.json.
 
 Uses `jsonschema` when it is installed; otherwise a small validator covering exactly the keywords the
 schema uses (type, const, enum, required, properties, additionalProperties, items, minItems, minLength,
 minimum, maximum, local $ref), so the check never silently disappears.
 
-    python -m tools.benchmark.schema RESULT.json [...]
+    python -m loadtests.schema RESULT.json [...]
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCHEMA_PATH = Path(__file__).with_name("spec_benchmark.schema.json")
+from loadtests.resources import data
+
+SCHEMA_PATH = data("spec_benchmark.schema.json")
 
 _TYPES: dict[str, Any] = {
     "object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),

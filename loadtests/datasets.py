@@ -1,4 +1,5 @@
-"""Workloads shipped with the load generator: every prompt comes from files under loadtests/data/.
+"""Datasets for the harness. The built-in sets come from files under loadtests/data/ (all texts were
+written for this repository: no downloads, no third-party data):
 
 - chat:       free-text questions (data/chat.jsonl), greedy.
 - copy:       summarise / edit / repeat a given text, refactor code (data/passages/*); the answer
@@ -7,7 +8,12 @@
               sampled requests skip drafting, so this is the case where speculation can hurt P99.
 - long:       four to six passages concatenated (~1,000-1,500 tokens) and a question about them.
 
-All texts were written for this repository (no downloads, no third-party data).
+and two more that need no data:
+
+- random:     prompts of random token ids, exactly `input_len` long, asking for `output_len` tokens
+              (sent as token ids to /v1/completions, as vLLM's random dataset measures raw speed).
+- custom:     a JSONL file, one request a line: {"messages": [...]} or {"prompt": "..."}, optional
+              "max_tokens" and "id".
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import json
 import random
 import zlib
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(str(files(__package__).joinpath("data")))
-WORKLOADS = ("chat", "copy", "mixed-temp", "long")
+from loadtests.resources import data
+
+BUILT_IN = ("chat", "copy", "mixed-temp", "long")
+DATASETS = (*BUILT_IN, "random", "custom")
 
 _PROSE_TASKS = [
     "Repeat the following text exactly, word for word.",
@@ -47,16 +54,18 @@ _LONG_QUESTIONS = [
 
 @dataclass(slots=True)
 class WorkItem:
-    """One request of a workload: the chat messages (or a plain prompt) and its sampling."""
+    """One request: chat messages (or, for `random`, prompt token ids), its sampling and length."""
 
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
     temperature: float = 0.0
+    max_tokens: int | None = None  # None: the run's --max-tokens
     extra: dict[str, Any] = field(default_factory=dict)
 
     def prompt_text(self) -> str:
         """The plain-prompt form for /v1/completions."""
-        return "\n\n".join(m["content"] for m in self.messages)
+        return "\n\n".join(str(m.get("content") or "") for m in self.messages)
 
 
 def _user(text: str) -> list[dict[str, str]]:
@@ -67,7 +76,7 @@ def load_passages() -> list[tuple[str, str, str]]:
     """-> [(name, kind "prose" | "code", text)] sorted by name. Code is stored as *.src so that linters
     leave its deliberately unpolished style (the refactoring tasks need something to fix) alone."""
     out = []
-    for path in sorted((DATA_DIR / "passages").iterdir()):
+    for path in sorted(data("passages").iterdir()):
         if path.suffix in (".txt", ".src"):
             kind = "prose" if path.suffix == ".txt" else "code"
             out.append((path.stem, kind, path.read_text().strip()))
@@ -76,7 +85,7 @@ def load_passages() -> list[tuple[str, str, str]]:
 
 def chat_items() -> list[WorkItem]:
     items = []
-    with open(DATA_DIR / "chat.jsonl") as f:
+    with open(data("chat.jsonl")) as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
@@ -123,16 +132,65 @@ def mixed_temp_items(greedy_fraction: float = 0.5, seed: int = 0) -> list[WorkIt
     return items
 
 
-def load_workload(name: str, seed: int = 0, greedy_fraction: float = 0.5) -> list[WorkItem]:
-    """The items of one workload, in a fixed (seeded) order."""
+def random_items(num: int, input_len: int, output_len: int, vocab_size: int = 32000,
+                 seed: int = 0) -> list[WorkItem]:
+    """`num` prompts of `input_len` random token ids below `vocab_size`, each asking for `output_len`."""
+    rng = random.Random(seed)
+    return [WorkItem(id=f"random-{i:04d}", prompt_ids=[rng.randrange(vocab_size) for _ in range(input_len)],
+                     max_tokens=output_len) for i in range(num)]
+
+
+def custom_items(path: str | Path) -> list[WorkItem]:
+    """A JSONL file of requests: {"messages": [...]} or {"prompt": "..."}, optional "max_tokens", "id"."""
+    items = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "messages" in rec:
+            messages = rec["messages"]
+        elif "prompt" in rec:
+            messages = _user(rec["prompt"])
+        else:
+            raise ValueError(f"{path}:{n}: a line needs 'messages' or 'prompt'")
+        items.append(WorkItem(id=str(rec.get("id", f"custom-{n}")), messages=messages,
+                              max_tokens=rec.get("max_tokens")))
+    if not items:
+        raise ValueError(f"{path}: no requests")
+    return items
+
+
+@dataclass(slots=True)
+class DatasetOptions:
+    """What `load_dataset` needs besides the name (the command-line flags of the same names)."""
+
+    dataset_path: str | None = None
+    num_prompts: int = 100  # random only: the others have their own size and are cycled through
+    random_input_len: int = 256
+    random_output_len: int = 64
+    random_vocab_size: int = 32000
+    greedy_fraction: float = 0.5
+    seed: int = 0
+
+
+def load_dataset(name: str, opts: DatasetOptions | None = None) -> list[WorkItem]:
+    """The items of one dataset, in a fixed (seeded) order."""
+    opts = opts or DatasetOptions()
     if name == "chat":
         return chat_items()
     if name == "copy":
         items = copy_items()
-        random.Random(seed).shuffle(items)  # interleave prose and code
+        random.Random(opts.seed).shuffle(items)  # interleave prose and code
         return items
     if name == "mixed-temp":
-        return mixed_temp_items(greedy_fraction, seed)
+        return mixed_temp_items(opts.greedy_fraction, opts.seed)
     if name == "long":
-        return long_items(seed)
-    raise ValueError(f"unknown workload {name!r} (one of {', '.join(WORKLOADS)})")
+        return long_items(opts.seed)
+    if name == "random":
+        return random_items(opts.num_prompts, opts.random_input_len, opts.random_output_len,
+                            opts.random_vocab_size, opts.seed)
+    if name == "custom":
+        if not opts.dataset_path:
+            raise ValueError("dataset 'custom' needs --dataset-path FILE.jsonl")
+        return custom_items(opts.dataset_path)
+    raise ValueError(f"unknown dataset {name!r} (one of {', '.join(DATASETS)})")

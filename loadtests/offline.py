@@ -1,0 +1,276 @@
+"""`specserve bench offline`: speculative modes A/B through the engine, in one process, no HTTP.
+
+The target is loaded once. Every run gets a fresh engine over those weights with its mode's speculative
+config, so no proposer state (suffix's response cache) leaks from one run into the next. A run
+generates the whole prompt set: `--num-prompts` requests (cycling through the dataset) submitted at
+once, at most `--max-num-seqs` in flight (1: one stream, one request after the other). After
+`--num-warmups` unmeasured runs per mode come `--repeats` rounds, each running every mode once in
+alternating order, so drift in the machine's speed hits every mode alike.
+
+With `--output-dir`, one JSON per mode in the format loadtests/data/spec_benchmark.schema.json describes
+(config, model paths and revisions, package versions, environment variables, BLAS, the prompts and their
+token ids, every generated token id, times, acceptance per draft position), plus summary.md. Printed:
+tokens/s against `off` (pooled and per round), acceptance, and whether greedy token ids equal off's;
+the exit status is 1 when they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtests import modes as modes_mod
+from loadtests.datasets import WorkItem, load_dataset
+from loadtests.prom import SpecCounters, acceptance_summary, merge_spec
+from loadtests.report import package_versions, slug
+
+SCHEMA_VERSION = 1
+_ENV_PREFIXES = ("SPECSERVE_", "MLX_", "OMP_", "MKL_", "OPENBLAS_", "VECLIB_", "KMP_", "HF_", "TOKENIZERS_")
+_ENV_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
+_PACKAGES = ("specserve", "mlx", "mlx-cpu", "mlx-metal", "mlx-lm", "numpy", "transformers", "tokenizers",
+             "safetensors", "mkl")
+
+
+def run_batch(llm: Any, batch: list[list[int]], params: Any, tag: str) -> dict[str, Any]:
+    """Generate the whole batch (one `SamplingParams`, or one per prompt) with our own step loop,
+    counting acceptance per draft position from the engine's stats."""
+    core = llm.core
+    ids = [f"{tag}-{i}" for i in range(len(batch))]
+    plist = params if isinstance(params, list) else [params] * len(batch)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    ttft: dict[str, float | None] = dict.fromkeys(ids)
+    finish: dict[str, str | None] = dict.fromkeys(ids)
+    counts = SpecCounters()
+    t0 = time.perf_counter()
+    for rid, prompt, p in zip(ids, batch, plist, strict=True):
+        core.add_request(rid, prompt, p)
+    while core.has_unfinished():
+        outputs, stats = core.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids and ttft[out.request_id] is None:
+                ttft[out.request_id] = now - t0
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        spec = stats.spec if stats is not None else None
+        if spec is not None:
+            counts.drafts += spec.num_drafts
+            counts.draft_tokens += spec.num_draft_tokens
+            counts.accepted += spec.num_accepted_tokens
+            for i, n in enumerate(spec.accepted_per_pos):
+                counts.per_pos[i] = counts.per_pos.get(i, 0) + n
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(t) for t in tokens.values())
+    return {"elapsed_s": elapsed, "output_tokens": n_out,
+            "output_tokens_per_s": n_out / elapsed if elapsed > 0 else None,
+            "ttft_s": [ttft[r] for r in ids], "finish_reasons": [finish[r] for r in ids],
+            "token_ids": [tokens[r] for r in ids],
+            "spec": acceptance_summary(counts) if core.spec is not None else None}
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    return {"mean": statistics.fmean(values) if values else None,
+            "median": statistics.median(values) if values else None,
+            "min": min(values) if values else None, "max": max(values) if values else None,
+            "stdev": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def environment_variables() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
+
+
+def _model_info(loaded: Any) -> dict[str, Any]:
+    return {"name": loaded.name, "path": str(loaded.path), "source": loaded.source,
+            "dtype": str(loaded.dtype).removeprefix("mlx.core."), "revision": loaded.revision}
+
+
+def prompt_records(items: list[WorkItem], tokenizer: Any, chat_template: bool) -> list[dict[str, Any]]:
+    """The schema's prompt entries: the text or messages (none for token-id prompts) and the token ids."""
+    from engine.llm import chat_prompt_ids
+
+    out = []
+    for it in items:
+        if it.prompt_ids is not None:
+            rec: dict[str, Any] = {"token_ids": list(it.prompt_ids)}
+        elif chat_template:
+            rec = {"messages": it.messages, "token_ids": chat_prompt_ids(tokenizer, it.messages)}
+        else:
+            text = it.prompt_text()
+            rec = {"text": text, "token_ids": list(tokenizer.encode(text, add_special_tokens=True))}
+        rec["num_tokens"] = len(rec["token_ids"])
+        out.append(rec)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import engine  # noqa: I001 - the BLAS before mlx
+    import mlx.core as mx
+    from engine.blas import blas_info
+    from engine.llm import LLM
+    from engine.models.loader import load_model
+    from engine.sampling import SamplingParams
+
+    if args.num_prompts < 1 or args.repeats < 1 or args.num_warmups < 0 or args.max_tokens < 1:
+        raise SystemExit("--num-prompts, --repeats and --max-tokens must be >= 1, --num-warmups >= 0")
+    default = [modes_mod.OFF] if args.speculative_config else modes_mod.available()
+    chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config, default)
+    items = load_dataset(args.dataset_name, args.data)
+    t_load = time.perf_counter()
+    loaded = load_model(args.model, dtype=args.dtype, progress=False)
+    load_s = time.perf_counter() - t_load
+    n = args.num_prompts
+    used = items[:n]
+    prompts = prompt_records(used, loaded.tokenizer, not args.skip_chat_template)
+    batch = [prompts[i % len(prompts)]["token_ids"] for i in range(n)]
+    params = [SamplingParams(max_tokens=used[i % len(used)].max_tokens or args.max_tokens,
+                             temperature=args.temperature, ignore_eos=args.ignore_eos,
+                             seed=args.seed if args.temperature > 0 else None) for i in range(n)]
+    kw: dict[str, Any] = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_num_seqs=args.max_num_seqs, show_progress=False)
+
+    def measure(label: str, tag: str) -> tuple[dict[str, Any], Any]:
+        llm = LLM(loaded=loaded, speculative_config=chosen[label], **kw)
+        return run_batch(llm, batch, params, tag), llm.core.spec
+
+    warm: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
+    for label in chosen:
+        for i in range(args.num_warmups):
+            warm[label].append(measure(label, f"w{i}")[0])
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
+    parsed: dict[str, Any] = {}
+    for rep in range(args.repeats):
+        order = list(chosen) if rep % 2 == 0 else list(chosen)[::-1]
+        for label in order:
+            res, parsed[label] = measure(label, f"r{rep}")
+            runs[label].append({"repeat": rep, **res})
+            acc = f", acceptance {res['spec']['acceptance_rate'] or 0:.2f}" if res["spec"] else ""
+            print(f"[round {rep}] {label:>18}: {res['output_tokens_per_s'] or 0:7.1f} tok/s{acc}", flush=True)
+
+    blas = blas_info()
+    runtime = {"python": sys.version.split()[0], "platform": platform.platform(),
+               "machine": platform.machine(), "cpu_count": os.cpu_count(),
+               "engine_version": engine.__version__, "packages": package_versions(_PACKAGES),
+               "device": str(mx.default_device()),
+               "blas": {"name": blas.name, "path": blas.path, "reason": blas.reason}}
+    common = {"args": args, "loaded": loaded, "runtime": runtime, "prompts": prompts, "load_s": load_s,
+              "batch_size": min(n, args.max_num_seqs)}
+    docs = {label: document(label, parsed[label], runs[label], warm[label], **common) for label in chosen}
+    rows = summary_rows(docs)
+    table = summary_table(rows)
+    print("\n" + table)
+    if args.output_dir:
+        write(docs, table, Path(args.output_dir))
+    return 1 if any(r["same_ids"] is False for r in rows) else 0
+
+
+def document(label: str, spec: Any, runs: list[dict[str, Any]], warm: list[dict[str, Any]], *,
+             args: argparse.Namespace, loaded: Any, runtime: dict[str, Any], prompts: list[dict[str, Any]],
+             load_s: float, batch_size: int) -> dict[str, Any]:
+    """One mode's result in the spec_benchmark schema."""
+    parsed = spec.model_dump() if spec is not None else None
+    draft = None
+    if spec is not None and getattr(spec, "model", None):
+        path = Path(spec.model).expanduser()
+        draft = {"path": str(path), "revision": spec.revision,
+                 "same_as_target": path.resolve() == Path(loaded.path).resolve()}
+    measured = [r["spec"] for r in runs if r["spec"] is not None]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "benchmark": "specserve.spec_benchmark",
+        "label": label,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": list(sys.argv),
+        "config": {
+            "model": args.model, "speculative_config": parsed, "method": parsed["method"] if parsed else None,
+            "num_speculative_tokens": parsed["num_speculative_tokens"] if parsed else 0,
+            "batch_size": batch_size, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "warmup": args.num_warmups, "ignore_eos": args.ignore_eos, "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
+            "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
+            "chat_template": not args.skip_chat_template,
+        },
+        "models": {"target": _model_info(loaded), "draft": draft},
+        "runtime": runtime,
+        "environment": environment_variables(),
+        "prompts": prompts,
+        "load_s": load_s,
+        "warmup_runs": [{"elapsed_s": w["elapsed_s"], "output_tokens": w["output_tokens"]} for w in warm],
+        "runs": runs,
+        "summary": {
+            "elapsed_s": _stats([r["elapsed_s"] for r in runs]),
+            "output_tokens_per_s": _stats([r["output_tokens_per_s"] for r in runs
+                                           if r["output_tokens_per_s"]]),
+            "output_tokens": runs[0]["output_tokens"] if runs else 0,
+            "identical_across_repeats": all(r["token_ids"] == runs[0]["token_ids"] for r in runs),
+            "spec": merge_spec(measured) if measured else None,
+        },
+    }
+
+
+def summary_rows(docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode: tokens/s against the mode without speculation (pooled and round by round), acceptance,
+    and, for greedy runs, whether every run's token ids equal its first run's."""
+    base = next((d for d in docs.values() if d["config"]["speculative_config"] is None), None)
+    greedy = base is not None and base["config"]["temperature"] == 0
+    rows = []
+    for label, d in docs.items():
+        tps = d["summary"]["output_tokens_per_s"]
+        spec = d["summary"]["spec"] or {}
+        per_round = []
+        if base is not None and d is not base:
+            by_rep = {r["repeat"]: r["output_tokens_per_s"] for r in base["runs"]}
+            per_round = [r["output_tokens_per_s"] / by_rep[r["repeat"]] if by_rep.get(r["repeat"]) else None
+                         for r in d["runs"]]
+        base_tps = base["summary"]["output_tokens_per_s"]["mean"] if base else None
+        rows.append({
+            "label": label, "tok_s": tps["mean"], "min": tps["min"], "max": tps["max"],
+            "speedup": tps["mean"] / base_tps if base_tps and tps["mean"] and d is not base else None,
+            "speedup_rounds": per_round,
+            "acceptance": spec.get("acceptance_rate"), "length": spec.get("mean_acceptance_length"),
+            "per_pos": spec.get("acceptance_rate_per_position") or [],
+            "same_ids": all(r["token_ids"] == base["runs"][0]["token_ids"] for r in d["runs"])
+            if greedy and base is not None else None,
+        })
+    return rows
+
+
+def _f(v: float | None, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per mode."""
+    head = ["mode", "tok/s (min-max)", "x off", "x off, per round", "acc. rate", "acc. len",
+            "acceptance per position", "greedy ids = off"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["label"], f"{_f(r['tok_s'], '.1f')} ({_f(r['min'], '.1f')}-{_f(r['max'], '.1f')})",
+                 _f(r["speedup"]), " ".join(_f(x) for x in r["speedup_rounds"]) or "-", _f(r["acceptance"]),
+                 _f(r["length"]), " ".join(_f(p) for p in r["per_pos"]) or "-",
+                 "-" if r["same_ids"] is None else ("yes" if r["same_ids"] else "NO")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(docs: dict[str, dict[str, Any]], table: str, out: Path) -> None:
+    import json
+
+    from loadtests.schema import validate
+
+    out.mkdir(parents=True, exist_ok=True)
+    for label, doc in docs.items():
+        errors = validate(doc)
+        if errors:  # a bug here, not in the caller: fail loudly rather than write a bad file
+            raise SystemExit(f"{label}: result does not match the schema: " + "; ".join(errors[:5]))
+        (out / f"{slug(label)}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "summary.md").write_text(table + "\n")
+    print(f"wrote {len(docs)} results and summary.md to {out}")

@@ -1,0 +1,235 @@
+"""`specserve bench sweep`: several servers, the same datasets and load levels, interleaved; B/A ratios.
+
+Servers are modes (`--modes off,ngram`: `specserve serve` with that config's speculative config, see
+loadtests/modes.py), static-K variants of them (`--k 1,2,4`), any command line or running server
+(`--server LABEL=COMMAND|URL`) and mlx_lm.server (`--mlx-lm`). All are started on loopback first and
+stay up; for every level each runs once per round, the order alternating, so drift in the machine's
+speed hits them alike. Writes sweep.json, results.md (the tables) and one PNG per dataset.
+
+Ratios, per dataset and level: throughput / the base server's (`--base`, default the first) and /
+the best other server's, pooled and per round (a ratio within one round does not drift with the
+machine; their spread says how far one round can be trusted). "auto must never lose" reads as
+`x best other >= 1` for an adaptive mode run beside off and its static Ks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtests import modes as modes_mod
+from loadtests import plots, report
+from loadtests.matrix import MatrixConfig, run_matrix, started
+from loadtests.prom import merge_spec
+from loadtests.runner import Level
+from loadtests.servers import ServerSpec, mlxlm_spec, server_spec, specserve_command
+
+DEFAULT_OUT = Path("results/tmp/bench-sweep")
+
+
+def levels_of(rates: list[float], concurrencies: list[int | None]) -> list[Level]:
+    return [Level(request_rate=r, max_concurrency=c) for r in rates for c in concurrencies]
+
+
+def server_specs(args: argparse.Namespace, out: Path) -> list[ServerSpec]:
+    others = bool(args.server or args.speculative_config)
+    chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config,
+                                  default=[] if others else modes_mod.available())
+    serve_args = shlex.split(args.serve_args) if args.serve_args else []
+    specs = [ServerSpec(label=label,
+                        command=specserve_command(spec, extra=[*serve_args, *_trace(out, label, args)]))
+             for label, spec in chosen.items()]
+    specs += [server_spec(*modes_mod.parse_labelled(s)) for s in args.server]
+    if args.mlx_lm:
+        specs.append(mlxlm_spec())
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"server labels must differ: {labels}")
+    return specs
+
+
+def _trace(out: Path, label: str, args: argparse.Namespace) -> list[str]:
+    """`--step-trace` for one specserve server: OUTPUT/logs/<label>.steps.jsonl, started afresh."""
+    if not args.step_traces:
+        return []
+    path = out / "logs" / f"{report.slug(label)}.steps.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # the server appends
+    return ["--step-trace", str(path)]
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ratios and tables
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(runs: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
+    """One row per dataset, level and server: its throughput over the base server's and over the best
+    other server's (pooled, and round by round), and its P99 TPOT over the base's."""
+    by = {(r["label"], r["dataset"]): r for r in runs}
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    rows = []
+    for ds in dict.fromkeys(r["dataset"] for r in runs):
+        present = [lab for lab in labels if (lab, ds) in by]
+        for i, head in enumerate(by[(present[0], ds)]["levels"]):
+            lv = {lab: by[(lab, ds)]["levels"][i] for lab in present}
+            tput = {lab: lv[lab]["output_throughput_tok_s"] or 0.0 for lab in present}
+            per_round = {lab: [x or 0.0 for x in lv[lab].get("round_throughput_tok_s") or [tput[lab]]]
+                         for lab in present}
+            for lab in present:
+                others = [o for o in present if o != lab]
+                best = max((tput[o] for o in others), default=None)
+                rounds = range(len(per_round[lab]))
+                rows.append({
+                    "dataset": ds, "level": head["level"], "label": lab, "tok_s": tput[lab],
+                    "vs_base": _div(tput[lab], tput.get(base)) if lab != base else None,
+                    "vs_best_other": _div(tput[lab], best),
+                    "vs_base_rounds": [_div(per_round[lab][j], _at(per_round.get(base), j)) for j in rounds]
+                    if lab != base and base in per_round else [],
+                    "vs_best_other_rounds": [_div(per_round[lab][j], max((_at(per_round[o], j) or 0.0)
+                                                                         for o in others))
+                                             for j in rounds] if others else [],
+                    "tpot_p99_vs_base": _div(lv[lab]["tpot_ms"]["p99"], lv[base]["tpot_ms"]["p99"])
+                    if lab != base and base in lv else None})
+    return rows
+
+
+def _at(values: list[float] | None, i: int) -> float | None:
+    return values[i] if values is not None and i < len(values) else None
+
+
+def _f(v: float | None, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    cfg, env, runs, base = doc["config"], doc["environment"], doc["runs"], doc["base"]
+    req = cfg["request"]
+    lines = [
+        f"Measured {doc['created']} on {env['platform']} ({env['cpu_count']} CPUs, 1-minute load "
+        f"{_f(doc.get('load_average_start'), '.1f')} at the start, "
+        f"{_f(env.get('load_average_1m'), '.1f')} at the end; {_f(doc.get('wall_s', 0) / 60, '.0f')} min), "
+        f"max_tokens {req['max_tokens']}, "
+        f"{cfg['rounds']} round(s) per level, servers interleaved. Throughput: output tokens/s over the "
+        f"level's wall time; latencies in ms; acceptance from `/metrics` (rate = accepted / drafted tokens, "
+        f"length = 1 + accepted / drafts). `x {base}` = throughput / {base}'s; `x best other` = throughput / "
+        f"the best other server's at the same level.", ""]
+    lines += [f"- **{d['label']}**: not measured, the server did not start: {d['error']}"
+              for d in doc.get("unavailable", [])]
+    rows = {(r["dataset"], r["level"], r["label"]): r for r in doc["ratios"]}
+    for ds in cfg["datasets"]:
+        lines += ["", f"**Dataset `{ds}`**", "",
+                  f"| level | server | ok/n | tok/s | x {base} | x best other | x best other, per round | "
+                  "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p99 | acc. rate | acc. len |",
+                  "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for key in cfg["levels"]:
+            for run in (r for r in runs if r["dataset"] == ds):
+                lvl = next(x for x in run["levels"] if x["level"] == key)
+                ratio = rows[(ds, key, run["label"])]
+                spec = lvl.get("spec_decode") or {}
+                per_round = " ".join(_f(x) for x in ratio["vs_best_other_rounds"]) or "-"
+                lines.append(
+                    f"| {key} | {run['label']} | {lvl['completed']}/{lvl['num_requests']} | "
+                    f"{_f(lvl['output_throughput_tok_s'], '.1f')} | {_f(ratio['vs_base'])} | "
+                    f"{_f(ratio['vs_best_other'])} | {per_round} | "
+                    + " | ".join(_f(lvl[k][p], ".0f") for k, p in (("ttft_ms", "p50"), ("ttft_ms", "p99"),
+                                                                   ("tpot_ms", "p50"), ("tpot_ms", "p99"),
+                                                                   ("e2e_ms", "p99")))
+                    + f" | {_f(spec.get('acceptance_rate'))} | {_f(spec.get('mean_acceptance_length'))} |")
+        lines += _connection_notes(runs, ds) + _per_position(runs, ds)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _connection_notes(runs: list[dict[str, Any]], ds: str) -> list[str]:
+    notes = [f"{run['label']} at {lvl['level']}: {lvl.get('retries', 0)} retries, "
+             f"{lvl.get('failed', 0)} failed"
+             + (f" ({'; '.join(lvl['errors'])})" if lvl.get("errors") else "")
+             for run in runs if run["dataset"] == ds for lvl in run["levels"]
+             if lvl.get("failed") or lvl.get("retries")]
+    if not notes:
+        return []
+    return ["", "Connections dropped before any response were retried as the openai SDK does (twice, 0.5 s "
+            "then 1 s back-off; latencies count from the first attempt): " + "; ".join(notes) + "."]
+
+
+def _per_position(runs: list[dict[str, Any]], ds: str) -> list[str]:
+    rows = []
+    for run in runs:
+        specs = [lvl["spec_decode"] for lvl in run["levels"] if lvl.get("spec_decode")]
+        if run["dataset"] == ds and specs:
+            rows.append((run["label"], merge_spec(specs)))
+    rows = [(label, s) for label, s in rows if s["num_drafts"]]
+    if not rows:
+        return []
+    width = max(len(s["acceptance_rate_per_position"]) for _, s in rows)
+    out = ["", f"Per-position acceptance (`{ds}`, all levels pooled; accepted at position i / drafts):", "",
+           "| server | drafts | " + " | ".join(f"pos {i + 1}" for i in range(width)) + " |",
+           "|---|---:|" + "---:|" * width]
+    for label, s in rows:
+        rates = s["acceptance_rate_per_position"] + [None] * (width - len(s["acceptance_rate_per_position"]))
+        out.append(f"| {label} | {s['num_drafts']} | " + " | ".join(_f(r) for r in rates) + " |")
+    return out
+
+
+def emit(doc: dict[str, Any], out: Path) -> list[Path]:
+    """results.md and the plots from a sweep document; prints the tables."""
+    md = markdown(doc)
+    (out / "results.md").write_text(md)
+    pngs = plots.plot_by_dataset(doc["runs"], out, title=f"specserve bench sweep (base: {doc['base']});")
+    print()
+    print(report.format_table(report.flat_levels(doc["runs"]), report.level_columns()))
+    print()
+    print(md)
+    return [out / "results.md", *pngs]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.render:
+        path = Path(args.render)
+        written = emit(report.load_json(path), path.parent)
+        print(f"wrote {', '.join(map(str, written))}")
+        return 0
+    out = Path(args.output_dir)
+    t0, load = time.monotonic(), os.getloadavg()[0]
+    specs = server_specs(args, out)
+    rates = [float(r) for r in _csv(args.request_rate)]
+    concurrency: list[int | None]
+    if args.max_concurrency:
+        concurrency = [int(c) for c in _csv(args.max_concurrency)]
+    else:
+        concurrency = [None] if any(not math.isinf(r) for r in rates) else [1, 8, 16, 32]
+    cfg = MatrixConfig(datasets=_csv(args.dataset_name), levels=levels_of(rates, concurrency),
+                       request=args.request, data=args.data,
+                       prompts_per_slot=args.prompts_per_slot, num_prompts=args.num_prompts,
+                       duration_s=args.duration, rounds=args.rounds, warmup=args.num_warmups)
+    # `timeout` and kill send SIGTERM: exit through `started`'s clean-up, or the servers outlive us.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with started(specs, out / "logs") as (up, down):
+        if not up:
+            print("no server started", file=sys.stderr)
+            return 2
+        runs = run_matrix(up, cfg)
+    base = args.base or runs[0]["label"]
+    if base not in {r["label"] for r in runs}:
+        raise SystemExit(f"--base {base!r} is not one of the servers measured")
+    doc = report.result_document("sweep", cfg.to_json(), runs, {
+        "base": base, "ratios": ratios(runs, base), "unavailable": down, "load_average_start": load,
+        "wall_s": round(time.monotonic() - t0, 1)})
+    report.write_json(doc, out / "sweep.json", keep_requests=args.save_detailed)
+    written = emit(doc, out)
+    print(f"wrote {out / 'sweep.json'}, {', '.join(map(str, written))}")
+    return 1 if down else 0

@@ -1,0 +1,113 @@
+"""`specserve bench offline`: every mode of configs/ through the real engine in one process, interleaved.
+Its JSON validates against the schema, greedy token ids do not depend on speculation, and acceptance is
+counted per draft position."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtests import modes
+from loadtests.schema import validate
+from server.cli import main
+
+MAX_TOKENS = 16
+PROMPTS = [
+    "Repeat the following text exactly, word for word.\n\nThe meeting on Monday is moved to Tuesday at ten "
+    "in the morning. Please bring your reports and the budget figures for the third quarter.",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every mode (no --modes: off and each config), two interleaved rounds of both prompts at once."""
+    tmp = tmp_path_factory.mktemp("offline")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp / "out"
+    rc = main(["bench", "offline", "--dataset-path", str(prompts), "--num-prompts", "2",
+               "--max-tokens", str(MAX_TOKENS), "--repeats", "2", "--num-warmups", "0", "--ignore-eos",
+               "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--output-dir", str(out)])
+    assert rc == 0  # 1 would mean a mode's greedy token ids differ from off's
+    docs = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    docs["summary.md"] = {"text": (out / "summary.md").read_text()}
+    return docs
+
+
+@pytest.mark.parametrize("label", modes.available())
+def test_json_validates_and_records_the_run(results: dict[str, dict[str, Any]], label: str) -> None:
+    doc = results[label]
+    assert validate(doc) == []
+    assert validate(doc, use_jsonschema=False) == []  # the fallback validator agrees
+    assert doc["schema_version"] == 1 and doc["label"] == label
+    assert doc["benchmark"] == "specserve.spec_benchmark"
+    cfg = doc["config"]
+    assert (cfg["batch_size"], cfg["max_tokens"], cfg["repeats"], cfg["warmup"]) == (2, MAX_TOKENS, 2, 0)
+    assert cfg["ignore_eos"] is True and doc["warmup_runs"] == []
+    assert doc["models"]["target"]["path"] and doc["models"]["target"]["dtype"] == "float32"
+    assert doc["runtime"]["blas"]["name"] and doc["runtime"]["packages"]["mlx"]
+    assert [p["messages"] for p in doc["prompts"]] == [[{"role": "user", "content": p}] for p in PROMPTS]
+    assert [r["repeat"] for r in doc["runs"]] == [0, 1]
+    for run in doc["runs"]:
+        assert [len(t) for t in run["token_ids"]] == [MAX_TOKENS, MAX_TOKENS]  # --ignore-eos
+        assert run["output_tokens"] == 2 * MAX_TOKENS and run["output_tokens_per_s"] > 0
+    assert doc["summary"]["identical_across_repeats"]
+    spec, expected = doc["summary"]["spec"], modes.speculative_config(label)
+    if expected is None:
+        assert spec is None and cfg["method"] is None and cfg["num_speculative_tokens"] == 0
+        return
+    assert cfg["method"] == expected["method"] == doc["config"]["speculative_config"]["method"]
+    assert spec["num_draft_tokens"] > 0
+    assert spec["num_accepted_tokens"] == sum(spec["accepted_per_position"])
+    per_pos = spec["accepted_per_position"]  # position i+1 can only be accepted when position i was
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+    assert len(per_pos) <= cfg["num_speculative_tokens"]
+    if label == "draft_model":  # configs/draft_model.yaml: the default model drafts for itself
+        assert doc["models"]["draft"]["same_as_target"]
+
+
+@pytest.mark.parametrize("label", [m for m in modes.available() if m != "off"])
+def test_speculation_keeps_greedy_token_ids(results: dict[str, dict[str, Any]], label: str) -> None:
+    base = results["off"]["runs"][0]["token_ids"]
+    for run in results[label]["runs"]:
+        assert run["token_ids"] == base
+
+
+def test_summary_compares_with_off(results: dict[str, dict[str, Any]]) -> None:
+    text = results["summary.md"]["text"]
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()[2:]}
+    assert set(rows) == set(modes.available())
+    assert all(line.rstrip(" |").endswith("yes") for line in rows.values())  # greedy ids = off's
+
+
+def test_schema_rejects_broken_results(results: dict[str, dict[str, Any]]) -> None:
+    doc = copy.deepcopy(results["ngram"])
+    doc["runs"][0]["token_ids"][0][0] = -1
+    del doc["summary"]["spec"]["accepted_per_position"]
+    doc["surprise"] = True
+    for use_jsonschema in (True, False):
+        errors = validate(doc, use_jsonschema=use_jsonschema)
+        assert len(errors) >= 3, errors
+
+
+def test_k_variants_labelled_configs_and_one_stream(tmp_path: Path) -> None:
+    spec = {"method": "suffix", "num_speculative_tokens": 3}
+    rc = main(["bench", "offline", "--modes", "off,ngram", "--k", "2", "--speculative-config",
+               f"mine={json.dumps(spec)}", "--dataset-name", "chat", "--num-prompts", "2",
+               "--max-num-seqs", "1", "--max-tokens", "4", "--repeats", "1", "--num-warmups", "1",
+               "--kv-cache-memory", "256MiB", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    docs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(docs) == {"off", "ngram_k_2", "mine"}
+    assert docs["ngram_k_2"]["label"] == "ngram k=2"
+    assert docs["ngram_k_2"]["config"]["num_speculative_tokens"] == 2
+    assert docs["mine"]["config"]["method"] == "suffix"
+    for doc in docs.values():
+        assert validate(doc) == []
+        assert doc["config"]["batch_size"] == 1 and len(doc["warmup_runs"]) == 1
+        assert len(doc["runs"][0]["token_ids"]) == 2

@@ -1,1 +1,0 @@
-"""Benchmarks: `python -m tools.benchmark.spec_benchmark` (offline speculative decoding)."""
