@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "joined by '/' (0.35/0.15); each K runs once per value (default: the key left out, "
                         "i.e. 0)")
     p.add_argument("--assistant-pass", default="auto",
-                   help="comma-separated: auto (what the engine picks), c (engine/spec/mtp_cpu.c), mlx (the "
+                   help="comma-separated: auto (what the engine picks), c (engine/cpu/mtp.c), mlx (the "
                         "MLX module, SPECSERVE_MTP_CPU=0); several run as variants of their own, interleaved")
     p.add_argument("--draft-model", default=None, help="also run method draft_model with this model")
     p.add_argument("--prompts", default=str(ROOT / "configs" / "train_prompts_heldout.jsonl"))
