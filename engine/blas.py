@@ -31,7 +31,7 @@ class BlasInfo:
     name: str  # "mkl", "openblas", "reference", "accelerate", "custom"
     path: str | None
     reason: str
-    # The small-M GEMM in front of the BLAS (engine/small_gemm.py): "rows 1-256", or why it is off.
+    # The small-M GEMM in front of the BLAS (engine/cpu/gemm.py): "rows 1-256", or why it is off.
     small_gemm: str = "off"
 
 
@@ -68,7 +68,7 @@ def _load(path: str) -> tuple[bool, str]:
 
 
 def _small_gemm_before(lib: ctypes.CDLL) -> str:
-    from engine import small_gemm
+    from engine.cpu import gemm as small_gemm
 
     why = small_gemm.unsupported_reason()
     if why is not None:

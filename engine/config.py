@@ -78,6 +78,8 @@ class EngineConfig(BaseModel):
     # Paged attention: Metal kernels where MLX has an Apple GPU, the C kernel on AVX-512 CPUs, else the
     # MLX gather + attention path.
     attention_backend: Literal["auto", "metal", "cpu", "reference"] = "auto"
+    # Paged KV tensors: head-major (the CPU default) or block-major (what the Metal kernels read).
+    kv_layout: Literal["auto", "block", "head"] = "auto"
     # Test-only fault injection (engine/faults.py): fault kind -> trigger token id.
     fault_injection: dict[str, int] | None = None
     seed: int | None = None

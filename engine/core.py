@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.attention import PagedKVCache, cpu_attention_fits, paged_attention_reference, select_attention
+from engine.attention.cpu import cpu_paged_attention
+from engine.attention.reference import paged_attention_reference
+from engine.attention.selector import cpu_attention_fits, select_attention
 from engine.config import EngineConfig
-from engine.cpu_attention import cpu_paged_attention
 from engine.detokenize import IncrementalDetokenizer, StopMatcher
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
+from engine.kv.cache import PagedKVCache, head_major_default
 from engine.models import adapter
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
@@ -66,7 +68,8 @@ class EngineCore:
                 f"kv_cache_memory={config.kv_cache_memory!r} gives {num_blocks} blocks of {bs} tokens "
                 f"({per_block} bytes each) but one request of max_model_len={self.max_model_len} needs "
                 f"{need}: raise --kv-cache-memory or lower --max-model-len")
-        self.kv_cache = PagedKVCache(len(model.layers), num_blocks, bs, n_kv, head_dim, self.loaded.dtype)
+        self.kv_cache = PagedKVCache(len(model.layers), num_blocks, bs, n_kv, head_dim, self.loaded.dtype,
+                                     head_major=head_major_default(config.kv_layout))
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d layers, %d kv heads, "
                     "head_dim %d)", num_blocks, bs, num_blocks * bs, self.kv_cache.nbytes / 2**20,
                     self.loaded.dtype, len(model.layers), n_kv, head_dim)
@@ -79,8 +82,8 @@ class EngineCore:
                 raise ValueError(f"--attention-backend cpu: {why}; use auto or reference")
             attention_fn, attention_label = paged_attention_reference, f"reference (MLX ops; C kernel: {why})"
         if attention_fn not in (paged_attention_reference, cpu_paged_attention) and self.kv_cache.head_major:
-            raise ValueError("SPECSERVE_KV_LAYOUT=head: the Metal kernels read the block-major KV layout; "
-                             "unset it or use --attention-backend reference")
+            raise ValueError("kv_layout=head: the Metal kernels read the block-major KV layout; "
+                             "use kv_layout auto/block or --attention-backend reference")
         logger.info("attention backend: %s; KV layout: %s", attention_label,
                     "head-major" if self.kv_cache.head_major else "block-major")
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None

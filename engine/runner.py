@@ -7,8 +7,10 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention import PagedKVCache, build_metadata, paged_attention_reference
+from engine.attention.reference import paged_attention_reference
+from engine.attention.types import build_metadata
 from engine.faults import FaultInjector, InjectedFault
+from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.sampler import sample
 from engine.sampling import RowState

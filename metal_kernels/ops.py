@@ -14,15 +14,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.attention import (
-    AttentionGroup,
-    AttentionMetadata,
-    KernelSet,
+from engine.attention.reference import (
     assemble_groups,
     group_attention_reference,
     random_case,
     reference_mismatch,
 )
+from engine.attention.types import AttentionGroup, AttentionMetadata, KernelSet
 
 SHADERS = Path(__file__).with_name("shaders")
 LANES = 32  # one SIMD group per (row, head, partition)

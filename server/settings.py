@@ -53,6 +53,9 @@ class ServerSettings(BaseModel):
     attention_backend: Literal["auto", "metal", "cpu", "reference"] = Field(
         "auto", description="paged attention: Metal kernels (Apple GPUs), the C kernel (x86-64 CPUs with "
                     "AVX-512), the MLX reference path, or auto (the first that runs here)")
+    kv_layout: Literal["auto", "block", "head"] = Field(
+        "auto", description="KV cache layout: head-major (auto on CPUs) or block-major (what the Metal "
+                            "kernels read)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding config as JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}'")
@@ -158,7 +161,7 @@ class ServerSettings(BaseModel):
     @classmethod
     def _attention(cls, v: str) -> str:
         """`metal` without a Metal device fails here, before the model loads (the engine checks again)."""
-        from engine.attention import select_attention
+        from engine.attention.selector import select_attention
 
         select_attention(v)  # type: ignore[arg-type]
         return v
@@ -204,7 +207,8 @@ class ServerSettings(BaseModel):
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory, "enable_prefix_caching": self.enable_prefix_caching,
-            "attention_backend": self.attention_backend, "fault_injection": self.fault_injection,
+            "attention_backend": self.attention_backend, "kv_layout": self.kv_layout,
+            "fault_injection": self.fault_injection,
             "seed": self.seed, "chat_template": self.chat_template,
             "trust_remote_code": self.trust_remote_code,
             "speculative_config": self._spec_config(),

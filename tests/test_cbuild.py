@@ -1,4 +1,4 @@
-"""engine/cbuild.py: C kernels are compiled only for the features the CPU reports, the kernels that need
+"""engine/cpu/build.py: C kernels are compiled only for the features the CPU reports, the kernels that need
 AVX-512 report themselves unavailable (and their callers fall back) on a CPU without it, and a cached
 library is loaded only from folders nobody else can write."""
 
@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import cbuild, cpu_attention, small_gemm
-from engine.attention import paged_attention_reference, select_attention
+from engine.attention import cpu as cpu_attention
+from engine.attention.reference import paged_attention_reference
+from engine.attention.selector import select_attention
+from engine.cpu import build as cbuild
+from engine.cpu import gemm as small_gemm
 
 AVX2_HOST = frozenset(["sse", "sse2", "avx", "avx2", "fma", "f16c"])
 AVX512_HOST = AVX2_HOST | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -127,7 +130,7 @@ def test_cached_library_in_an_unsafe_place_is_refused(case: str, tiny_source: Pa
     assert cbuild.build_library(tiny_source, "answer", flags, folder) == lib  # safe: reused as it is
     _plant(lib, tmp_path)
     corrupt(lib, folder)
-    with caplog.at_level(logging.WARNING, logger="engine.cbuild"):
+    with caplog.at_level(logging.WARNING, logger="engine.cpu.build"):
         again = cbuild.build_library(tiny_source, "answer", flags, folder)
     assert again != lib and folder not in again.parents
     assert _answer(again) == 42  # rebuilt from source, the planted library never loaded
@@ -148,7 +151,7 @@ def test_unsafe_cache_root_is_refused_before_building(tiny_source: Path, tmp_pat
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     shutil.rmtree(root / "kernels")
     os.chmod(root, 0o777)  # the parent of the kernels folder, inside the cache root
-    with caplog.at_level(logging.WARNING, logger="engine.cbuild"):
+    with caplog.at_level(logging.WARNING, logger="engine.cpu.build"):
         other = cbuild.build_library(tiny_source, "answer", ["-fPIC", "-shared"])
     assert root not in other.parents and _answer(other) == 42
     assert any("writable by group or others" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""engine/cpu_attention.c: the CPU's paged attention in C, against an independent NumPy reference, its
+"""engine/cpu/attention.c: the CPU's paged attention in C, against an independent NumPy reference, its
 batch invariance (a row's output does not depend on the rest of the step) and its selection rules."""
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import PagedKVCache, build_metadata, paged_attention_reference, select_attention
-from engine.cpu_attention import cpu_paged_attention, unsupported_reason
+from engine.attention.cpu import cpu_paged_attention, unsupported_reason
+from engine.attention.reference import paged_attention_reference
+from engine.attention.selector import select_attention
+from engine.attention.types import build_metadata
+from engine.kv.cache import PagedKVCache
 from tests.test_metal_kernels import _dense_reference, _scenario
 
 WHY = unsupported_reason()
@@ -56,7 +59,7 @@ def test_each_row_is_bitwise_what_it_gets_alone() -> None:
 def test_long_chunks_split_over_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step with over ~1 ms of attention (a long prefill chunk) is shared between threads: the output
     is the dense reference's, and bitwise the one-thread output."""
-    import engine.cpu_attention as ca
+    import engine.attention.cpu as ca
 
     q, kb, vb, meta, chunks = _scenario(5, 16, 64, [(600, 64), (30, 1), (200, 5)], num_heads=9,
                                         num_kv_heads=3)
@@ -92,22 +95,14 @@ def test_engine_step_matches_the_reference_backend() -> None:
 def test_selection_and_refusals(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from tests.helpers import make_llm
 
-    monkeypatch.setenv("SPECSERVE_CPU_ATTENTION", "0")
-    if not mx.metal.is_available():
-        fn, label = select_attention("auto")
-        assert fn is paged_attention_reference and "SPECSERVE_CPU_ATTENTION=0" in label
-        with pytest.raises(ValueError, match="--attention-backend cpu cannot run here"):
-            select_attention("cpu")
-    monkeypatch.delenv("SPECSERVE_CPU_ATTENTION")
     if WHY is not None:
         pytest.skip(f"the C attention cannot run here: {WHY}")
     # The kernel reads float32 head-major caches only: a block-major one is refused when forced, and
     # `auto` says why it runs the reference path instead.
-    monkeypatch.setenv("SPECSERVE_KV_LAYOUT", "block")
     with pytest.raises(ValueError, match="block-major"):
-        make_llm(attention_backend="cpu")
+        make_llm(attention_backend="cpu", kv_layout="block")
     with caplog.at_level(logging.INFO, logger="engine.core"):
-        llm = make_llm()
+        llm = make_llm(kv_layout="block")
     assert llm.core.runner.caches[0].attention_fn is paged_attention_reference
     assert any("C kernel: the KV cache is block-major" in r.getMessage() for r in caplog.records)
 
@@ -122,7 +117,7 @@ def test_refuses_what_it_cannot_compute() -> None:
 
 @needs_kernel
 def test_self_test_passes_and_the_kernel_is_selected() -> None:
-    from engine import cpu_attention
+    from engine.attention import cpu as cpu_attention
 
     assert cpu_attention.self_test() == []
     assert select_attention("auto")[0] is cpu_paged_attention
@@ -141,7 +136,7 @@ def _raises(*args: object) -> mx.array:
 def test_failing_kernel_falls_back_or_refuses(kernel, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
     """A C kernel that disagrees with the reference path (a miscompile, a CPU bug) or fails on the
     start-up case: `auto` logs it and runs the reference path, `--attention-backend cpu` refuses."""
-    with caplog.at_level(logging.WARNING, logger="engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="engine.attention.selector"):
         fn, label = select_attention("auto", cpu_kernel=kernel)
     assert fn is paged_attention_reference and "cpu_paged_attention (window None)" in label
     assert any("self-test" in r.getMessage() for r in caplog.records)

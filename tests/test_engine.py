@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from engine.attention import PagedKVCache
+from engine.kv.cache import PagedKVCache
 from engine.llm import LLM
 from engine.models import adapter
 from engine.sampling import SamplingParams

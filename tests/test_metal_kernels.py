@@ -16,14 +16,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import (
-    AttentionGroup,
-    PagedKVCache,
-    assemble_groups,
-    build_metadata,
-    paged_attention_reference,
-    select_attention,
-)
+from engine.attention.reference import assemble_groups, paged_attention_reference
+from engine.attention.selector import select_attention
+from engine.attention.types import AttentionGroup, build_metadata
+from engine.kv.cache import PagedKVCache
 from metal_kernels import emulate
 from metal_kernels.ops import (
     BLOCK_SIZES,
@@ -182,7 +178,7 @@ def test_emulated_reshape_and_cache_matches_engine_write(bs: int) -> None:
 
 
 def test_backend_selection_here() -> None:
-    from engine.cpu_attention import cpu_paged_attention, unsupported_reason
+    from engine.attention.cpu import cpu_paged_attention, unsupported_reason
 
     fn, label = select_attention("auto")
     if not NO_METAL:
@@ -434,7 +430,7 @@ def test_broken_kernel_falls_back_or_refuses(kernel: str, how: str, check: str,
     assert failures and all(f.startswith(f"{check} (") for f in failures), failures
     assert ("Unable to build metal library" if how == "compile error" else "from the reference path") \
         in failures[0]
-    with caplog.at_level(logging.WARNING, logger="engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="engine.attention.selector"):
         fn, label = select_attention("auto", metal_available=True, metal_kernels=kernels)
     assert fn is paged_attention_reference and label.startswith("reference") and f"{check} (" in label
     assert any("self-test" in r.getMessage() and f"{check} (" in r.getMessage() for r in caplog.records)

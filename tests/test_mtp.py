@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import PagedKVCache
+from engine.kv.cache import PagedKVCache
 from engine.llm import LLM
 from engine.models import adapter
 from engine.models.loader import default_model_folder, load_model

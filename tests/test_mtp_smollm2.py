@@ -65,7 +65,7 @@ def test_min_token_prob_drafts_fewer_surer_tokens(target) -> None:  # noqa: ANN0
 
 
 def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN001
-    """engine/spec/mtp_cpu.c against the MLX module on real states of the default model: the same drafts
+    """engine/cpu/mtp.c against the MLX module on real states of the default model: the same drafts
     (K = 3) for 8 requests drafted together and one at a time, with and without cut-offs."""
     from engine.config import EngineConfig
     from engine.core import EngineCore

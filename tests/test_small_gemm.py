@@ -1,4 +1,4 @@
-"""The small-M GEMM in front of the BLAS (engine/small_gemm.c): correct against float64 NumPy, and
+"""The small-M GEMM in front of the BLAS (engine/cpu/gemm.c): correct against float64 NumPy, and
 batch-invariant (a row computed among M rows is bitwise the row computed alone), down to the model:
 verifying 5 tokens at once gives bitwise the logits of 5 one-token decode steps."""
 
@@ -87,7 +87,7 @@ def test_openmp_spin_default_is_set_before_libgomp_and_user_values_win(given: di
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = "import engine, os; print(os.environ.get('GOMP_SPINCOUNT'))"
+    code = "import os; from engine import platform; platform.setup(); print(os.environ.get('GOMP_SPINCOUNT'))"
     out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True,
                          check=True).stdout.split()[-1]
     assert out == str(expected)

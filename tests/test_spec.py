@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 
-from engine.attention import PagedKVCache
+from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.sampling import SamplingParams
 from engine.spec.config import SpeculativeConfigError, parse_speculative_config

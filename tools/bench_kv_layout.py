@@ -3,7 +3,7 @@
 
 `layout`: block-major (`[slots, Hkv, D]`, what the Metal kernels read) against head-major (`[Hkv, slots,
 D]`, the CPU default), both on the MLX reference attention's gather; `attention`: the reference attention
-(MLX ops) against the C kernel (engine/cpu_attention.c), both head-major. Same model object, greedy with
+(MLX ops) against the C kernel (engine/cpu/attention.c), both head-major. Same model object, greedy with
 `ignore_eos` so both variants do identical work, at each concurrency level, variants alternating which
 goes first per repeat. Prints tok/s per variant and the ratio second / first, and writes JSON. Fails if
 the layouts' token ids differ (the same arithmetic); the two attention backends round their exponentials
@@ -36,12 +36,8 @@ COMPARISONS = {"layout": (("block", "head"), ("block", "head"), ("reference", "r
 
 def run(loaded: Any, layout: str, attention: str, prompts: list[str], max_tokens: int
         ) -> tuple[float, list[list[int]]]:
-    os.environ["SPECSERVE_KV_LAYOUT"] = layout  # read when the engine builds its cache
-    try:
-        llm = LLM(loaded=loaded, kv_cache_memory="1GiB", max_model_len=2048, show_progress=False,
-                  max_num_seqs=max(len(prompts), 1), attention_backend=attention)
-    finally:
-        os.environ.pop("SPECSERVE_KV_LAYOUT", None)
+    llm = LLM(loaded=loaded, kv_cache_memory="1GiB", max_model_len=2048, show_progress=False,
+              max_num_seqs=max(len(prompts), 1), attention_backend=attention, kv_layout=layout)
     assert llm.core.kv_cache.head_major == (layout == "head")
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": p}]) for p in prompts]

@@ -20,7 +20,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention import LOG2E, AttentionMetadata, PagedKVCache, paged_attention_reference
+from engine.attention.reference import LOG2E, paged_attention_reference
+from engine.attention.types import AttentionMetadata
+from engine.kv.cache import PagedKVCache
 
 _PATCHED_ATTR = "_specserve_paged"
 

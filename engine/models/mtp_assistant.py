@@ -21,7 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from engine.attention import AttentionMetadata, PagedKVCache
+from engine.attention.types import AttentionMetadata
+from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.loader import LoadedModel
 
@@ -251,7 +252,7 @@ def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
 
 def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssistant:
     """A `specserve train-assistant` checkpoint: checked against the target it was trained on. The C draft
-    loop (engine/spec/mtp_cpu.c) indexes the target's KV cache and embedding with these sizes and ids."""
+    loop (engine/cpu/mtp.c) indexes the target's KV cache and embedding with these sizes and ids."""
     from engine.models.mtp_trained import check_config, load_trained
 
     targs = target.model.args

@@ -161,6 +161,9 @@ class MTPConfig(_Base):
     # gives one cut-off per draft position, the last repeating: [0.35, 0.15] keeps first drafts sure
     # (position-0 acceptance) and lets surer-than-0.15 continuations ride along (they pay at ~15%).
     draft_min_token_prob: _Prob | Annotated[list[_Prob], Field(min_length=1)] = 0.0
+    # auto: the assistant's passes in C where they apply (engine/spec/mtp_cpu.py), else MLX; mlx: always
+    # the MLX module, the reference the C loop is tested against.
+    draft_backend: Literal["auto", "mlx"] = "auto"
 
     @property
     def needs_model(self) -> bool:

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.attention import PagedKVCache, cpu_attention_fits, paged_attention_reference
-from engine.cpu_attention import cpu_paged_attention
+from engine.attention.cpu import cpu_paged_attention
+from engine.attention.reference import paged_attention_reference
+from engine.attention.selector import cpu_attention_fits
 from engine.kv.block_manager import KVCacheManager
+from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.loader import LoadedModel
 from engine.runner import ModelRunner

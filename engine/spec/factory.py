@@ -60,5 +60,6 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
             assistant = load_assistant(spec.model, target)
         except OSError as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
-        return MTPProposer(assistant, target, runner, spec.draft_min_token_prob)
+        return MTPProposer(assistant, target, runner, spec.draft_min_token_prob,
+                           use_c=spec.draft_backend == "auto")
     raise ValueError(f"unsupported speculative method {spec.method!r}")

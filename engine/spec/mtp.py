@@ -17,7 +17,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import build_metadata
+from engine.attention.types import build_metadata
 from engine.models.loader import LoadedModel
 from engine.models.mtp_assistant import LoadedAssistant, make_caches
 from engine.runner import ModelRunner
@@ -40,7 +40,7 @@ class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
     def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner,
-                 min_token_prob: float | list[float] = 0.0) -> None:
+                 min_token_prob: float | list[float] = 0.0, use_c: bool = True) -> None:
         self.assistant = assistant
         # Cut-off per draft position; positions past the list use its last value.
         self.cuts = list(min_token_prob) if isinstance(min_token_prob, list) else [min_token_prob]
@@ -53,14 +53,15 @@ class MTPProposer:
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
         # The C pass where it applies (engine/spec/mtp_cpu.py); the MLX module otherwise.
         self.cpu: mtp_cpu.CpuAssistant | None = None
-        self.cpu_reason = mtp_cpu.unsupported_reason(assistant, runner.kv, self.embed_tokens)
+        self.cpu_reason = (mtp_cpu.unsupported_reason(assistant, runner.kv, self.embed_tokens) if use_c
+                           else "draft_backend: mlx")
         if self.cpu_reason is None:
             try:
                 net = assistant.module
                 self.cpu = mtp_cpu.CpuAssistant(net, self.embed_tokens, self.embed_scale)  # type: ignore[arg-type]
             except (RuntimeError, OSError) as e:  # no compiler, or the library does not load
                 self.cpu_reason = f"C pass unavailable: {e}"
-        logger.info("MTP assistant passes: %s", "C (engine/spec/mtp_cpu.c)" if self.cpu is not None
+        logger.info("MTP assistant passes: %s", "C (engine/cpu/mtp.c)" if self.cpu is not None
                     else f"MLX ({self.cpu_reason})")
 
     @property

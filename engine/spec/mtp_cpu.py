@@ -1,29 +1,28 @@
-"""The trained MTP assistant's draft loop in C on x86-64 CPUs (engine/spec/mtp_cpu.c), for `MTPProposer`.
+"""The trained MTP assistant's draft loop in C on x86-64 CPUs (engine/cpu/mtp.c), for `MTPProposer`.
 
 Why: measured in the engine (SmolLM2-135M, the committed assistant), an MLX pass cost ~1.65 ms (0.31 ms
 building its ~35 ops in Python, ~1.35 ms evaluating them); the C loop drafts in ~1.5 ms per step in all
 (README, *MTP assistants*). Used where the assistant is a trained one (`specserve_mtp`) reading a float32
 head-major KV cache and a float32 embedding table on an AVX-512 CPU (no sliding window, split-halves
-RoPE); `SPECSERVE_MTP_CPU=0` keeps the MLX module, which stays the reference:
+RoPE); `"draft_backend": "mlx"` in the speculative config keeps the MLX module, which stays the reference:
 tests/test_mtp_smollm2.py checks that both draft the same tokens.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.attention import PagedKVCache
-from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.kv.cache import PagedKVCache
 from engine.models.mtp_assistant import LoadedAssistant
 from engine.models.mtp_trained import TrainedAssistant
 
-SOURCE = Path(__file__).with_name("mtp_cpu.c")
+SOURCE = Path(__file__).parents[1] / "cpu" / "mtp.c"
 CPU_FEATURES = ("avx512f", "fma", "f16c")  # what the loop is compiled for (/proc/cpuinfo names)
 
 
@@ -38,8 +37,6 @@ class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
 def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.Module) -> str | None:
     """Why the C pass cannot serve this assistant here (None: it can); `embed`: the target's token
     embedding."""
-    if os.environ.get("SPECSERVE_MTP_CPU", "auto").strip().lower() in ("0", "off", "false", "no"):
-        return "SPECSERVE_MTP_CPU=0"
     why = x86_linux_reason() or feature_reason(CPU_FEATURES)
     if why:
         return why

@@ -1,4 +1,4 @@
-// Small-M float32 GEMM placed in front of the BLAS that MLX calls (see engine/small_gemm.py).
+// Small-M float32 GEMM placed in front of the BLAS that MLX calls (see engine/cpu/gemm.py).
 //
 // Why: a decode step multiplies 1 row per request by every weight matrix, and draft verification
 // 1 + K rows. MKL switches from a weight-streaming GEMV path (M <= 3) to a packed GEMM path at M >= 4

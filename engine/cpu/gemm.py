@@ -16,9 +16,9 @@ import ctypes
 from pathlib import Path
 
 from engine import envs
-from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
 
-SOURCE = Path(__file__).with_name("small_gemm.c")
+SOURCE = Path(__file__).with_name("gemm.c")
 MAX_M = 256
 CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 

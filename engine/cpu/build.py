@@ -1,5 +1,5 @@
-"""Compile the engine's small C libraries (engine/small_gemm.c, engine/cpu_attention.c,
-engine/spec/mtp_cpu.c) where they run.
+"""Compile the engine's small C libraries (engine/cpu/gemm.c, engine/cpu/attention.c,
+engine/cpu/mtp.c) where they run.
 
 Each is built once per (source, compiler, flags, CPU) with the system C compiler into the model cache
 folder, and loaded with ctypes. Only for the instruction-set features the CPU reports: a kernel whose

@@ -1,6 +1,6 @@
-"""Paged attention in C on x86-64 CPUs (engine/cpu_attention.c), the CPU's default attention backend.
+"""Paged attention in C on x86-64 CPUs (engine/cpu/attention.c), the CPU's default attention backend.
 
-Why: on MLX's CPU backend the reference path (`engine/attention.py`: block gather, scores, mask,
+Why: on MLX's CPU backend the reference path (`engine/attention/`: block gather, scores, mask,
 softmax, weighted sum as separate ops, each a pass over memory) grew with every request and query row.
 The C function reads keys and values straight from the head-major cache through the block tables, one
 (token, KV head) per task. Engine throughput against the reference path (README, *Engine*): 1.05x for
@@ -11,32 +11,30 @@ rows MLX's scatter has just written), reads both through zero-copy views and han
 a new array. Each (token, head) output is computed the same way whatever else is in the step, so
 verification rows get bitwise the attention of one-token decoding. Used where MLX runs on the CPU of an
 x86-64 Linux machine with AVX-512F and the cache is float32 head-major; elsewhere, or with
-`SPECSERVE_CPU_ATTENTION=0`, the reference path.
+`--attention-backend reference`, the reference path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import AttentionMetadata, paged_attention_reference, random_case, reference_mismatch
-from engine.cbuild import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.attention.reference import paged_attention_reference, random_case, reference_mismatch
+from engine.attention.types import AttentionMetadata
+from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).parents[1] / "cpu" / "attention.c"
 CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 MAX_THREADS = 64  # threads for a step with ~1 ms of attention work or more (the C code caps at the CPUs)
 
 
 def unsupported_reason() -> str | None:
     """Why the C attention cannot run here (None: it can). The cache layout is checked by the engine."""
-    if os.environ.get("SPECSERVE_CPU_ATTENTION", "auto").strip().lower() in ("0", "off", "false", "no"):
-        return "SPECSERVE_CPU_ATTENTION=0"
     why = x86_linux_reason() or feature_reason(CPU_FEATURES)
     if why:
         return why
@@ -45,7 +43,7 @@ def unsupported_reason() -> str | None:
     try:
         _lib()
     except (RuntimeError, OSError) as e:
-        return f"could not build engine/cpu_attention.c: {e}"
+        return f"could not build engine/cpu/attention.c: {e}"
     return None
 
 

@@ -1,0 +1,88 @@
+"""Choosing the attention backend once at start-up: Metal kernels, the C kernel or the reference path,
+each kernel set checked against the reference path on a small random case first.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from engine.attention.reference import paged_attention_reference
+from engine.attention.types import AttentionBackend, KernelSet
+from engine.kv.cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _self_test_failures(backend: str) -> tuple[str, ...]:
+    """The built-in kernels' self-test, run once per process."""
+    if backend == "metal":
+        from metal_kernels.ops import self_test
+    else:
+        from engine.attention.cpu import self_test
+    return tuple(self_test())
+
+
+def _failed_self_test(name: str, backend: AttentionBackend, failures: list[str] | tuple[str, ...]
+                      ) -> tuple[Callable[..., mx.array], str]:
+    """A kernel set that failed its start-up self-test: refused where it was asked for by name, else
+    logged and replaced by the reference path."""
+    msg = f"the {name} attention kernels failed their start-up self-test: {'; '.join(failures)}"
+    if backend == name:
+        raise ValueError(f"--attention-backend {name}: {msg}; use auto or reference")
+    logger.warning("%s; using the reference path (MLX ops) instead", msg)
+    return paged_attention_reference, f"reference (MLX ops; {msg})"
+
+
+def select_attention(backend: AttentionBackend, *, metal_available: bool | None = None,
+                     metal_kernels: KernelSet | None = None, cpu_kernel: Callable[..., mx.array] | None = None
+                     ) -> tuple[Callable[..., mx.array], str]:
+    """The attention function for `--attention-backend`, and a label for the start-up log.
+
+    `auto` picks the Metal kernels when MLX has a Metal device, else the C kernel on an x86-64 CPU with
+    AVX-512F (engine/cpu_attention.py), else the reference path; `metal` or `cpu` where it cannot run is
+    a start-up error, not a silent fallback. Either kernel set first runs once on a small random case
+    against the reference path (`self_test`): on an error or a mismatch `auto` logs it and takes the
+    reference path, an explicit `metal` / `cpu` refuses to start. The C kernel also needs a float32
+    head-major cache: the engine checks that (`cpu_attention_fits`). `metal_available`, `metal_kernels`
+    and `cpu_kernel` replace the device check and the kernels under test (tests)."""
+    if backend not in ("auto", "metal", "cpu", "reference"):
+        raise ValueError(f"attention_backend must be auto, metal, cpu or reference, not {backend!r}")
+    if backend == "reference":
+        return paged_attention_reference, "reference (MLX ops: KV gather + attention; forced)"
+    metal = mx.metal.is_available() if metal_available is None else metal_available
+    if backend == "metal" or (backend == "auto" and metal):
+        if not metal:
+            raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
+                             "here); use auto or reference")
+        from metal_kernels.ops import paged_attention_metal, self_test
+
+        failures = _self_test_failures("metal") if metal_kernels is None else self_test(metal_kernels)
+        if failures:
+            return _failed_self_test("metal", backend, failures)
+        return paged_attention_metal, ("metal (paged_attention_decode / paged_attention_prefill kernels; "
+                                       "prefill chunks over 128 tokens on the gather path)")
+    from engine.attention import cpu as cpu_attention
+
+    why = cpu_attention.unsupported_reason()
+    if why is None:
+        failures = _self_test_failures("cpu") if cpu_kernel is None else cpu_attention.self_test(cpu_kernel)
+        if failures:
+            return _failed_self_test("cpu", backend, failures)
+        return cpu_attention.cpu_paged_attention, "cpu (engine/cpu_attention.c over the paged cache)"
+    if backend == "cpu":
+        raise ValueError(f"--attention-backend cpu cannot run here: {why}; use auto or reference")
+    return paged_attention_reference, f"reference (MLX ops: KV gather + attention; C kernel: {why})"
+
+
+def cpu_attention_fits(kv: PagedKVCache) -> str | None:
+    """Why the C attention cannot read this cache (None: it can)."""
+    if not kv.head_major:
+        return "the KV cache is block-major (the C kernel reads head-major)"
+    if kv.dtype != mx.float32:
+        return f"the KV cache holds {kv.dtype}, not float32"
+    return None
