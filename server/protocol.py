@@ -28,6 +28,15 @@ class StopLimits:
     max_token_ids: int
 
 
+def check_unicode(text: str, param: str) -> None:
+    """JSON can carry lone surrogates; the tokenizer and the stop-string matcher take valid Unicode only."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
+                          f"character {e.start}", param=param) from None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -147,6 +156,8 @@ class _SamplingRequest(_Request):
             raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise bad_request("stop strings must not be empty", param="stop")
+        for s in self.stop_list():
+            check_unicode(s, "stop")
         if stop_limits is not None:
             self._check_stop_limits(stop_limits)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from server.chat_template import ChatTemplate, RenderLimitError
 from server.errors import bad_request
-from server.protocol import ChatMessage
+from server.protocol import ChatMessage, check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +88,7 @@ class TokenText:
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_length(text, param)
-        try:
-            text.encode("utf-8")  # JSON can carry lone surrogates; the tokenizer takes valid Unicode only
-        except UnicodeEncodeError as e:
-            raise bad_request(f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
-                              f"character {e.start}", param=param) from None
+        check_unicode(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

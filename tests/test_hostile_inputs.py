@@ -7,6 +7,7 @@ plain validation cases live in tests/test_server_errors.py.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -99,9 +100,9 @@ HOSTILE: list[tuple[str, str, Any]] = [
 
 
 def _send(client: httpx.Client, path: str, body: Any) -> httpx.Response:
-    if isinstance(body, bytes):
-        return client.post(path, content=body, headers={"Content-Type": "application/json"})
-    return client.post(path, json=body)
+    # json.dumps escapes lone surrogates as "\\udXXX" (valid JSON), which httpx's own encoder refuses
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(path, content=content, headers={"Content-Type": "application/json"})
 
 
 def _greedy(client: httpx.Client) -> tuple[str, str]:
