@@ -298,3 +298,37 @@ def test_small_draft_pool_takes_blocks_back_and_stays_exact() -> None:
     # Every request that ran long enough got drafts (none starved while others held the pool).
     assert all(o.spec_num_accepted_tokens > 0 for o in outs if len(o.token_ids) == MAX_TOKENS)
     assert_pool_full(llm)
+
+
+# -- exactness under load ------------------------------------------------------------------------------
+def test_verification_beside_a_long_prefill_chunk_equals_plain() -> None:
+    """One step over 256 rows (the default budget is 512): a request verifying drafts beside another's
+    long prefill chunk. Both outputs are the plain greedy ones (tests/test_small_gemm.py checks the
+    logits of such a step bitwise)."""
+    llm = spec_llm("ngram")
+    core = llm.core
+    assert core.scheduler.max_num_batched_tokens == 512
+    copy_prompt, copy_ref = prompts()[-2], plain()[-2]
+    long_prompt = llm.apply_chat_template([{"role": "user", "content": " ".join(CHATS * 3)}])
+    assert 300 < len(long_prompt) < 500
+    (long_ref,) = make_llm().generate([long_prompt], GREEDY)
+    tokens: dict[str, list[int]] = {"copy": [], "long": []}
+
+    def step() -> tuple[int, int]:
+        verifying = sum(1 for r in core.scheduler.running if r.spec_token_ids)
+        outs, stats = core.step()
+        for o in outs:
+            tokens[o.request_id] += o.new_token_ids
+        return verifying, stats.num_batched_tokens if stats is not None else 0
+
+    core.add_request("copy", copy_prompt, GREEDY)
+    while not core.scheduler.requests["copy"].spec_token_ids:
+        step()
+    core.add_request("long", long_prompt, GREEDY)
+    verifying, rows = step()  # the long prompt's whole prefill beside the copy's drafts
+    assert verifying == 1 and rows > 256
+    while core.has_unfinished():
+        step()
+    assert tokens == {"copy": copy_ref, "long": long_ref.token_ids}
+    assert_pool_full(llm)
+
