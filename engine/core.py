@@ -228,21 +228,28 @@ class EngineCore:
                     self.proposer.release(rid, finished=False)
         outputs: list[RequestOutput] = []
         for req, new_tokens in updates:
-            stats.num_generation_tokens += len(new_tokens)
-            if new_tokens and req.num_output_tokens == len(new_tokens):
-                # Prefill done: count the whole prompt (cached part included), as vLLM does.
-                stats.num_prompt_tokens += req.num_prompt_tokens
-                stats.time_to_first_tokens.append(now - req.times.arrival)
             detok = self._detok.get(req.request_id)
             text = ""
             if detok is not None and new_tokens:
+                seen = len(detok.output_token_ids)
                 text, stop_str = self._detokenize(req, detok, new_tokens)
+                if stop_str is not None:
+                    # Plain decoding ends at the token that completed the stop string: accepted drafts
+                    # after it are dropped, so that usage and metrics count what plain decoding does.
+                    kept = len(detok.output_token_ids) - seen
+                    req.drop_last_output(len(new_tokens) - kept)
+                    new_tokens = new_tokens[:kept]
                 if stop_str is not None and not req.status.finished:
                     req.stop_reason = stop_str
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 elif stop_str is not None:
                     req.stop_reason = stop_str
                     req.status = RequestStatus.FINISHED_STOPPED
+            stats.num_generation_tokens += len(new_tokens)
+            if new_tokens and req.num_output_tokens == len(new_tokens):
+                # Prefill done: count the whole prompt (cached part included), as vLLM does.
+                stats.num_prompt_tokens += req.num_prompt_tokens
+                stats.time_to_first_tokens.append(now - req.times.arrival)
             if req.status.finished:
                 if detok is not None and not isinstance(req.stop_reason, str) and req.error is None:
                     text += detok.flush()  # release text held back for a stop string that never came
