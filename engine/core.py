@@ -338,7 +338,7 @@ class EngineCore:
             if k < 1:
                 continue
             reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
-                                     self.kv.block_table(req.request_id)))
+                                     self.kv.block_table(req.request_id), req.cache_salt))
             targets.append(req)
         if not reqs:
             stats.spec_chosen_k = []

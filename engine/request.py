@@ -63,6 +63,10 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
