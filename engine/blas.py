@@ -31,7 +31,7 @@ class BlasInfo:
     name: str  # "mkl", "openblas", "reference", "accelerate", "custom"
     path: str | None
     reason: str
-    # The small-M GEMM in front of the BLAS (engine/cpu/gemm.py): "rows 1-256", or why it is off.
+    # The small-M GEMM in front of the BLAS (engine/cpu/gemm.py): "rows: all", or why it is off.
     small_gemm: str = "off"
 
 
@@ -77,7 +77,7 @@ def _small_gemm_before(lib: ctypes.CDLL) -> str:
         max_m = small_gemm.load_before(lib)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return f"off (build failed: {e})"
-    return f"rows 1-{max_m}" if max_m else "off (no AVX-512F: calls forwarded)"
+    return "rows: all" if max_m else "off (no AVX-512F: calls forwarded)"
 
 
 def select_blas() -> BlasInfo:

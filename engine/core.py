@@ -252,6 +252,23 @@ class EngineCore:
                     self.proposer.release(rid, finished=False)
         outputs: list[RequestOutput] = []
         for req, new_tokens in updates:
+            detok = self._detok.get(req.request_id)
+            text = ""
+            if detok is not None and new_tokens:
+                seen = len(detok.output_token_ids)
+                text, stop_str = self._detokenize(req, detok, new_tokens)
+                if stop_str is not None:
+                    # Plain decoding ends at the token that completed the stop string: accepted drafts
+                    # after it are dropped, so that usage and metrics count what plain decoding does.
+                    kept = len(detok.output_token_ids) - seen
+                    req.drop_last_output(len(new_tokens) - kept)
+                    new_tokens = new_tokens[:kept]
+                if stop_str is not None and not req.status.finished:
+                    req.stop_reason = stop_str
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                elif stop_str is not None:
+                    req.stop_reason = stop_str
+                    req.status = RequestStatus.FINISHED_STOPPED
             stats.num_generation_tokens += len(new_tokens)
             if new_tokens and req.num_output_tokens == len(new_tokens):
                 # Prefill done: count the whole prompt (cached part included), as vLLM does.
@@ -259,16 +276,6 @@ class EngineCore:
                 stats.time_to_first_tokens.append(now - req.times.arrival)
             elif new_tokens and req.times.inter_token is not None:
                 stats.inter_token_latencies.append(req.times.inter_token)
-            detok = self._detok.get(req.request_id)
-            text = ""
-            if detok is not None and new_tokens:
-                text, stop_str = self._detokenize(req, detok, new_tokens)
-                if stop_str is not None and not req.status.finished:
-                    req.stop_reason = stop_str
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                elif stop_str is not None:
-                    req.stop_reason = stop_str
-                    req.status = RequestStatus.FINISHED_STOPPED
             if req.status.finished:
                 if detok is not None and not isinstance(req.stop_reason, str) and req.error is None:
                     # release text held back for a stop string that never came
@@ -362,7 +369,7 @@ class EngineCore:
             if k < 1:
                 continue
             reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
-                                     self.kv.block_table(req.request_id)))
+                                     self.kv.block_table(req.request_id), req.cache_salt))
             targets.append(req)
         if not reqs:
             stats.spec_chosen_k = []

@@ -64,6 +64,10 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -82,3 +86,11 @@ class Request:
     def append_output(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def drop_last_output(self, n: int) -> None:
+        """Forget the last `n` output tokens (accepted drafts past a stop string), in place: proposers
+        hold the request's token list."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)

@@ -11,6 +11,7 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1000
 MASK64 = (1 << 64) - 1
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _check_finite(name: str, value: float) -> None:
@@ -41,6 +42,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k>=0: sampled token's logprob + top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's per-request cache isolation: requests share prefix-cache blocks and suffix-tree content
+    # only with requests of the same salt (None: the unsalted pool). Not a sampling option, but this is
+    # the per-request record that travels with the request into the engine.
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError (message starts with the offending field) for out-of-range values."""
@@ -83,6 +88,10 @@ class SamplingParams:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                             "characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
         for tok in self.stop_token_ids:

@@ -157,7 +157,7 @@ class Scheduler:
         if not out.preempted_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                hits, num_hit = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+                hits, num_hit = self.kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
                 num_new = min(req.num_tokens - num_hit, budget)
                 if not self.kv.allocate_slots(req.request_id, num_hit, num_new, new_computed_blocks=hits):
                     break
@@ -204,7 +204,8 @@ class Scheduler:
                 req.times.inter_token = now - req.times.last_token
             req.times.last_token = now
             # Only confirmed tokens (KV computed, not drafts) ever become prefix-cache blocks.
-            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                      req.cache_salt)
             if status is not None:
                 self.finish_request(req.request_id, status)
             updates.append((req, new_tokens))

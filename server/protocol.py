@@ -132,6 +132,7 @@ class _SamplingRequest(_Request):
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants (the engine checks it)
     # accepted with neutral values only (see _NEUTRAL)
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None

@@ -235,7 +235,7 @@ class OpenAIServing:
                            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                            min_tokens=req.min_tokens, logprobs=logprobs,
                            include_stop_str_in_output=req.include_stop_str_in_output,
-                           skip_special_tokens=req.skip_special_tokens)
+                           skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
         # Unset request fields keep the engine's defaults (OpenAI's: temperature 1, top_p 1, ...).
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):

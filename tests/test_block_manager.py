@@ -107,7 +107,7 @@ def test_hit_confirmed_by_tokens_not_hash_alone(mgr: KVCacheManager) -> None:
     pool = mgr.pool
     forged = hash_block(None, [9, 9, 9, 9])
     pool._by_hash[forged] = 0
-    assert pool.lookup(forged, [9, 9, 9, 9]) is None
+    assert pool.lookup(forged, None, [9, 9, 9, 9]) is None
     del pool._by_hash[forged]
     mgr.free("a")
 
@@ -145,3 +145,45 @@ def test_prefix_caching_disabled() -> None:
     mgr.free("a")
     assert mgr.get_computed_blocks("b", p) == ([], 0)
     assert mgr.num_free_blocks == 4
+
+
+def _cache_prompt(mgr: KVCacheManager, rid: str, prompt: list[int], salt: str | None) -> list[int]:
+    """Run `rid` over `prompt` (all confirmed), hash its full blocks, free it; returns its blocks."""
+    hits, n = mgr.get_computed_blocks(rid, prompt, salt)
+    assert mgr.allocate_slots(rid, n, len(prompt) - n, new_computed_blocks=hits)
+    mgr.cache_full_blocks(rid, prompt, len(prompt), salt)
+    table = list(mgr.block_table(rid))
+    mgr.free(rid)
+    return table
+
+
+def test_cache_salt_isolates_prefix_blocks() -> None:
+    mgr = KVCacheManager(num_blocks=16, block_size=BS)
+    prompt = list(range(13))  # 3 full blocks
+    a = _cache_prompt(mgr, "a", prompt, "tenant-a")
+    # Same tokens, another salt, or no salt: nothing cached is theirs.
+    assert mgr.get_computed_blocks("b", prompt, "tenant-b") == ([], 0)
+    assert mgr.get_computed_blocks("c", prompt, None) == ([], 0)
+    b = _cache_prompt(mgr, "b", prompt, "tenant-b")
+    assert not set(a) & set(b)
+    # The same salt shares every full block (the last token is always recomputed).
+    assert mgr.get_computed_blocks("a2", prompt, "tenant-a") == (a[:3], 12)
+    assert mgr.get_computed_blocks("b2", prompt, "tenant-b") == (b[:3], 12)
+    # Unsalted requests share among themselves, as before.
+    u = _cache_prompt(mgr, "u", prompt, None)
+    assert not set(u) & (set(a) | set(b))
+    assert mgr.get_computed_blocks("u2", prompt, None) == (u[:3], 12)
+    assert mgr.num_free_blocks == 16
+
+
+def test_cache_salt_survives_a_forged_hash() -> None:
+    """Even a hash that collides across salts is no hit: the salt is compared, not only hashed."""
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    prompt = [7, 7, 7, 7, 8]
+    (first, _) = _cache_prompt(mgr, "a", prompt, "tenant-a")
+    pool = mgr.pool
+    forged = hash_block(None, prompt[:4], "tenant-b")
+    pool._by_hash[forged] = first
+    assert pool.lookup(forged, None, prompt[:4], "tenant-b") is None
+    assert mgr.get_computed_blocks("b", prompt, "tenant-b") == ([], 0)
+    assert pool.lookup(hash_block(None, prompt[:4], "tenant-a"), None, prompt[:4], "tenant-a") == first

@@ -4,6 +4,7 @@ and without --speculative-config, counters and the SpecDecoding log line."""
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import openai
@@ -75,8 +76,6 @@ def test_same_greedy_text_with_speculation_and_counters(method: str, make_server
         assert spec["num_accepted_tokens"] == again["vllm:spec_decode_num_accepted_tokens_total"] - accepted
         assert srv.kv_pool_full()
         # The stats task logs vLLM's line within an interval or two.
-        import time
-
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline and not any(
                 "SpecDecoding metrics: Mean acceptance length" in m for m in caplog.messages):
@@ -104,3 +103,44 @@ def test_bad_speculative_config_fails_at_startup() -> None:
                           '"prompt_lookup_max": 2}'], capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
     assert "prompt_lookup_min" in res.stderr and "Traceback" not in res.stderr
+
+
+def _generation_metrics(url: str) -> tuple[float, float, float]:
+    """(generation tokens counter, per-request generation tokens histogram sum and count)."""
+    text = httpx.get(url + "/metrics").text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return (got["vllm:generation_tokens_total"], got["vllm:request_generation_tokens_sum"],
+            got["vllm:request_generation_tokens_count"])
+
+
+STOPS = ["lazy", "river bank", "bird sings", "oak", "farmer"]
+
+
+def test_stop_string_inside_accepted_drafts_counts_like_plain(make_server) -> None:
+    """A stop string that ends inside a step's accepted drafts: usage and the generation-token metrics
+    count only the tokens up to the one that completed it, as plain decoding does."""
+    def run(**settings: object) -> tuple[list[tuple], tuple[float, ...], float]:
+        with make_server(**settings) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="x")
+            before = _generation_metrics(srv.url)
+            got = []
+            for stop in STOPS:
+                r = client.chat.completions.create(model=srv.client.model_name, max_tokens=60, temperature=0,
+                                                   stop=[stop], messages=[{"role": "user", "content": COPY}])
+                choice = r.choices[0]
+                got.append((choice.message.content, choice.finish_reason, r.usage.completion_tokens))
+            deadline = time.monotonic() + 5  # stats arrive right after the outputs
+            while _generation_metrics(srv.url)[2] - before[2] < len(STOPS) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            after = _generation_metrics(srv.url)
+            accepted = spec_counters(srv.url).get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+            assert srv.kv_pool_full()
+            return got, tuple(a - b for a, b in zip(after, before, strict=True)), accepted
+
+    plain, plain_metrics, _ = run()
+    spec, spec_metrics, accepted = run(speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5})
+    assert accepted > 0
+    assert all(reason == "stop" for _, reason, _ in plain)
+    assert spec == plain
+    assert spec_metrics == plain_metrics == (sum(n for *_, n in plain),) * 2 + (len(STOPS),)

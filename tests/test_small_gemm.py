@@ -19,7 +19,7 @@ def _rand(shape: tuple[int, ...], seed: int) -> mx.array:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 20, 25, 32, 100, 256])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 20, 25, 32, 100, 256, 257, 600])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (17, 15), (64, 16), (100, 33), (1536, 576), (576, 1536)])
 def test_matches_float64_reference(m: int, n: int, k: int) -> None:
     a, w, b = _rand((m, k), 1), _rand((n, k), 2), _rand((k, n), 3)
@@ -51,9 +51,24 @@ def test_rows_are_bitwise_batch_invariant(m: int) -> None:
         assert mx.array_equal(full, rows).item()
 
 
+@needs_kernel
+@pytest.mark.parametrize("m", [257, 300, 512, 777])
+def test_rows_beyond_256_are_bitwise_those_computed_alone(m: int) -> None:
+    """A step over 256 rows (a prefill chunk beside verification rows) must not leave the kernel: the
+    BLAS's GEMM path gives a row other bits than the same row computed alone (it did for every trial)."""
+    rng = np.random.default_rng(m)
+    for trial in range(6):
+        a, w, b = _rand((m, 576), 100 * m + trial), _rand((1536, 576), 11), _rand((576, 208), 12)
+        picks = sorted({0, m - 1, *rng.integers(0, m, 6).tolist()})
+        full_nt, full_nn = a @ w.T, a @ b
+        for i in picks:
+            assert mx.array_equal(full_nt[i : i + 1], a[i : i + 1] @ w.T).item(), (m, trial, i)
+            assert mx.array_equal(full_nn[i : i + 1], a[i : i + 1] @ b).item(), (m, trial, i)
+
+
 def test_status_is_reported() -> None:
     status = blas_info().small_gemm
-    assert status.startswith(("rows 1-", "off")), status
+    assert status == "rows: all" or status.startswith("off"), status
 
 
 @needs_kernel
@@ -76,6 +91,26 @@ def test_verification_logits_equal_one_token_decode_bitwise(default_loaded_model
         mx.eval(one[-1])
     five = adapter.compute_logits(runner.model, runner.forward_chunks([(toks[ctx:], ctx, table, 5)]))
     assert mx.array_equal(mx.concatenate(one), five).item()
+
+
+@needs_kernel
+def test_verification_beside_a_long_prefill_chunk_is_bitwise_alone(default_loaded_model) -> None:
+    """A step of 305 rows (another request's 300-token prefill chunk beside 5 verification rows), the
+    default token budget allows 512: the verification logits are bitwise those of the 5 rows alone."""
+    from engine.llm import LLM
+    from engine.models import adapter
+
+    llm = LLM(loaded=default_loaded_model, kv_cache_memory="256MiB", max_model_len=512, show_progress=False)
+    runner = llm.core.runner
+    table, other = list(range(1, 10)), list(range(10, 40))
+    ctx = 46
+    toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 5)]
+    long_chunk = [(i * 104729) % 40000 + 100 for i in range(300)]
+    mx.eval(runner.forward_chunks([(toks[:ctx], 0, table, 1)]))
+    alone = adapter.compute_logits(runner.model, runner.forward_chunks([(toks[ctx:], ctx, table, 5)]))
+    mx.eval(alone)
+    mixed = runner.forward_chunks([(long_chunk, 0, other, 0), (toks[ctx:], ctx, table, 5)])
+    assert mx.array_equal(adapter.compute_logits(runner.model, mixed), alone).item()
 
 
 @pytest.mark.parametrize(("given", "expected"), [({}, "1000000"), ({"GOMP_SPINCOUNT": "77"}, "77"),

@@ -13,6 +13,8 @@ from engine.models import adapter
 from engine.sampling import SamplingParams
 from engine.spec.config import SpeculativeConfigError, parse_speculative_config
 from engine.spec.ngram import find_ngram_draft
+from engine.spec.proposer import DraftRequest
+from engine.spec.suffix import SuffixProposer
 from engine.spec.verify import verify_greedy
 from tests.helpers import CHATS, default_model, make_llm
 
@@ -297,4 +299,97 @@ def test_small_draft_pool_takes_blocks_back_and_stays_exact() -> None:
     assert proposer.num_evictions > 0
     # Every request that ran long enough got drafts (none starved while others held the pool).
     assert all(o.spec_num_accepted_tokens > 0 for o in outs if len(o.token_ids) == MAX_TOKENS)
+    assert_pool_full(llm)
+
+
+# -- exactness under load ------------------------------------------------------------------------------
+def test_verification_beside_a_long_prefill_chunk_equals_plain() -> None:
+    """One step over 256 rows (the default budget is 512): a request verifying drafts beside another's
+    long prefill chunk. Both outputs are the plain greedy ones (tests/test_small_gemm.py checks the
+    logits of such a step bitwise)."""
+    llm = spec_llm("ngram")
+    core = llm.core
+    assert core.scheduler.max_num_batched_tokens == 512
+    copy_prompt, copy_ref = prompts()[-2], plain()[-2]
+    long_prompt = llm.apply_chat_template([{"role": "user", "content": " ".join(CHATS * 3)}])
+    assert 300 < len(long_prompt) < 500
+    (long_ref,) = make_llm().generate([long_prompt], GREEDY)
+    tokens: dict[str, list[int]] = {"copy": [], "long": []}
+
+    def step() -> tuple[int, int]:
+        verifying = sum(1 for r in core.scheduler.running if r.spec_token_ids)
+        outs, stats = core.step()
+        for o in outs:
+            tokens[o.request_id] += o.new_token_ids
+        return verifying, stats.num_batched_tokens if stats is not None else 0
+
+    core.add_request("copy", copy_prompt, GREEDY)
+    while not core.scheduler.requests["copy"].spec_token_ids:
+        step()
+    core.add_request("long", long_prompt, GREEDY)
+    verifying, rows = step()  # the long prompt's whole prefill beside the copy's drafts
+    assert verifying == 1 and rows > 256
+    while core.has_unfinished():
+        step()
+    assert tokens == {"copy": copy_ref, "long": long_ref.token_ids}
+    assert_pool_full(llm)
+
+
+# -- suffix decoding and cache_salt ---------------------------------------------------------------------
+def _suffix(max_cached: int = 10) -> SuffixProposer:
+    return SuffixProposer(max_tree_depth=8, max_cached_requests=max_cached, max_spec_factor=4.0,
+                          min_token_prob=0.1)
+
+
+def _finish(p: SuffixProposer, rid: str, output: list[int], salt: str | None) -> None:
+    prompt = [1, 2, 3]
+    p.propose([DraftRequest(rid, prompt + output, len(prompt), 1, cache_salt=salt)])
+    p.release(rid, finished=True)  # its output joins the past responses of its salt
+
+
+def _draft(p: SuffixProposer, context: list[int], salt: str | None) -> list[int]:
+    (d,) = p.propose([DraftRequest("q", context, 2, 4, cache_salt=salt)])
+    p.release("q", finished=False)
+    return d
+
+
+def test_suffix_drafts_never_come_from_another_salts_outputs() -> None:
+    p = _suffix()
+    secret = [901, 902, 903, 904, 905, 906]
+    _finish(p, "a", secret, "tenant-a")
+    context = [7, 8, 901, 902]  # a new request reaching the start of tenant A's answer
+    assert _draft(p, context, "tenant-a") == [903, 904, 905, 906]
+    assert _draft(p, context, "tenant-b") == []
+    assert _draft(p, context, None) == []
+    _finish(p, "u", secret, None)  # unsalted requests share their past responses, as before
+    assert _draft(p, context, None) == [903, 904, 905, 906]
+    assert _draft(p, context, "tenant-b") == []
+
+
+def test_suffix_past_responses_stay_bounded_across_salts() -> None:
+    p = _suffix(max_cached=2)
+    _finish(p, "a", [901, 902, 903], "tenant-a")
+    _finish(p, "b1", [801, 802, 803], "tenant-b")
+    _finish(p, "b2", [811, 812, 813], "tenant-b")  # the oldest response (tenant A's only one) goes
+    assert _draft(p, [901, 902], "tenant-a") == []
+    assert _draft(p, [801, 802], "tenant-b") == [803]
+    assert set(p._tries) == {"tenant-b"}  # an empty salt keeps no trie behind
+
+
+def test_suffix_engine_drafts_for_a_salt_as_if_no_other_salt_had_run() -> None:
+    """Through the engine: tenant B, after tenant A ran the same prompts, drafts exactly as on a fresh
+    engine (neither A's past responses nor A's prefix-cache blocks reach it); A's rerun drafts more."""
+    ps = prompts()[:3]
+
+    def run(llm, salt: str) -> list[tuple[list[int], int]]:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, cache_salt=salt)
+        return [(o.token_ids, o.spec_num_draft_tokens) for o in llm.generate(ps, params)]
+
+    fresh = run(spec_llm("suffix"), "tenant-b")
+    llm = spec_llm("suffix")
+    assert run(llm, "tenant-a") == fresh
+    assert run(llm, "tenant-b") == fresh
+    rerun = run(llm, "tenant-a")
+    assert [t for t, _ in rerun] == [t for t, _ in fresh]
+    assert sum(n for _, n in rerun) > sum(n for _, n in fresh)
     assert_pool_full(llm)

@@ -3,12 +3,13 @@
 // Why: a decode step multiplies 1 row per request by every weight matrix, and draft verification
 // 1 + K rows. MKL switches from a weight-streaming GEMV path (M <= 3) to a packed GEMM path at M >= 4
 // that costs ~1.8x as much, so verifying 5 tokens cost far more than decoding 1. This kernel streams
-// each weight row once for all M <= max_m rows of activations (256: prefill chunks too, where it runs
-// at ~190 GFLOP/s on two cores against MKL's 100-145).
+// each weight row once for up to GROUP_M rows of activations (prefill chunks too, where it runs at
+// ~190 GFLOP/s on two cores against MKL's 100-145); more rows run as several groups in turn.
 //
-// Every output element is the same sequence of float operations whatever M, the blocking and the
-// thread split are: a row computed in a batch of 5 is bitwise the row computed alone. So a verified
-// draft token's logits equal those of plain one-token decoding (batch invariance for small steps).
+// Every output element is the same sequence of float operations whatever M, the grouping, the blocking
+// and the thread split are: a row computed in a batch of 5 or of 600 is bitwise the row computed alone.
+// So a verified draft token's logits equal those of plain one-token decoding, whatever else shares the
+// step (a long prefill chunk included): any row count must stay here, never reach the BLAS.
 //
 // Only row-major C = alpha * A @ op(B) + beta * C with A not transposed is handled here; every other
 // call goes to the BLAS's own cblas_sgemm (set by small_gemm_init).
@@ -17,7 +18,10 @@
 #include <stddef.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111 };
-enum { KERNEL_M = 8, MAX_M = 256, TILE_N = 64 };
+// A weight block passes over at most GROUP_M rows of activations (576 KiB at K = 576: a core's L2); a
+// larger M runs in balanced groups in turn, each streaming the weights again, which costs less than
+// reading every row back from L3 for each weight block.
+enum { KERNEL_M = 8, GROUP_M = 256, TILE_N = 64 };
 // Weight-layout (NT) products run chunks of at most WIDE_M_MAX rows against WIDE_R weight rows at a
 // time: up to 24 accumulators in registers, 4 + 6 loads per k step for 24 FMAs. The block of WIDE_R
 // weight rows (9 KiB at K = 576) comes from memory for the first chunk and from L1 for the others, so
@@ -168,12 +172,14 @@ static const kern_fn NN[KERNEL_M + 1] = {0, nn1, nn2, nn3, nn4, nn5, nn6, nn7, n
 DEFINE_WIDE(1) DEFINE_WIDE(2) DEFINE_WIDE(3) DEFINE_WIDE(4) DEFINE_WIDE(5) DEFINE_WIDE(6)
 static const kern_fn NTW[WIDE_M_MAX + 1] = {0, ntw1, ntw2, ntw3, ntw4, ntw5, ntw6};
 
-// Returns the largest M this library handles (0: the CPU lacks AVX-512F, every call is forwarded).
+// Products with more than want_max_m rows go to the BLAS (the engine passes INT_MAX: none; a smaller
+// bound only serves benchmarks against the BLAS). Returns the bound in force (0: the CPU lacks
+// AVX-512F, every call is forwarded).
 int small_gemm_init(void *blas_sgemm, int want_max_m) {
     fallback = (sgemm_fn)blas_sgemm;
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f")) want_max_m = 0;
-    max_m = want_max_m < 0 ? 0 : want_max_m > MAX_M ? MAX_M : want_max_m;
+    max_m = want_max_m < 0 ? 0 : want_max_m;
     return max_m;
 }
 
@@ -200,6 +206,18 @@ static void run_rows(int tb, int M, int N0, int N1, int K, const float *A, int l
     }
 }
 
+// Balanced groups of at most GROUP_M rows, one after another: each row's arithmetic is unchanged.
+static void run_groups(int tb, int M, int N0, int N1, int K, const float *A, int lda, const float *B,
+                       int ldb, float *C, int ldc, float alpha, float beta) {
+    const int groups = (M + GROUP_M - 1) / GROUP_M;
+    for (int g = 0, r0 = 0; g < groups; g++) {
+        const int rows = (M - r0) / (groups - g);
+        run_rows(tb, rows, N0, N1, K, A + (size_t)r0 * lda, lda, B, ldb, C + (size_t)r0 * ldc, ldc, alpha,
+                 beta);
+        r0 += rows;
+    }
+}
+
 void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc) {
     if (layout != ROW_MAJOR || ta != NO_TRANS || M < 1 || M > max_m || N < 1 || K < 1) {
@@ -209,7 +227,7 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
     // Small products stay on this thread; larger ones split the output columns evenly between the
     // threads in multiples of 16 (uneven fixed-size chunks left one core idle up to a chunk's time).
     if ((double)M * N * K < 262144.0 || N < 32) {
-        run_rows(tb, M, 0, N, K, A, lda, B, ldb, C, ldc, alpha, beta);
+        run_groups(tb, M, 0, N, K, A, lda, B, ldb, C, ldc, alpha, beta);
         return;
     }
 #pragma omp parallel
@@ -217,6 +235,6 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int per = ((N + nth - 1) / nth + 15) & ~15;
         const int j0 = tid * per, j1 = j0 + per < N ? j0 + per : N;
-        if (j0 < j1) run_rows(tb, M, j0, j1, K, A, lda, B, ldb, C, ldc, alpha, beta);
+        if (j0 < j1) run_groups(tb, M, j0, j1, K, A, lda, B, ldb, C, ldc, alpha, beta);
     }
 }

@@ -3,8 +3,9 @@
 MLX's CPU backend calls `cblas_sgemm` for every float32 matmul. Decode and draft verification run
 matmuls with a few rows of activations (1 + K per verifying request, one per decoding request), where
 MKL's GEMM path costs ~1.8x its GEMV path from 4 rows on; the kernel here streams the weights once for
-any number of rows up to 256 (prefill chunks included: ~190 GFLOP/s on two cores, MKL 100-145 there),
-and gives each row bitwise the result it would have alone (see the C file). It is compiled once per
+up to 256 rows (prefill chunks included: ~190 GFLOP/s on two cores, MKL 100-145 there) and takes any
+row count, so that each row gets bitwise the result it would have alone whatever the step's size
+(see the C file). It is compiled once per
 source version with the system C compiler (`cc`, AVX-512F, OpenMP) into the model cache folder, and
 must be loaded before libmlx binds `cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off`
 turns it off.
@@ -19,7 +20,9 @@ from engine import envs
 from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
 
 SOURCE = Path(__file__).with_name("gemm.c")
-MAX_M = 256
+# Every row count: a step over 256 rows (a prefill chunk beside verification rows) left to the BLAS
+# would give its rows other bits than the same rows in a small step.
+MAX_M = 2**31 - 1
 CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 
 
@@ -38,7 +41,7 @@ def build(out_dir: Path | None = None) -> Path:
 def load_before(blas: ctypes.CDLL) -> int:
     """Load the kernel with RTLD_GLOBAL, forwarding every call it does not handle to `blas`
     (already loaded, RTLD_LOCAL). Call before the BLAS is made global and before libmlx loads.
-    Returns the largest row count it handles (0: all calls forwarded)."""
+    Returns the largest row count it handles (MAX_M; 0: all calls forwarded)."""
     lib = ctypes.CDLL(str(build()), mode=ctypes.RTLD_GLOBAL)
     lib.small_gemm_init.restype = ctypes.c_int
     lib.small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]

@@ -2,9 +2,10 @@
 
 Blocks hold `block_size` token slots. A full block whose tokens are all confirmed (computed and
 accepted, never draft tokens) gets a chained hash `hash((parent_hash, tokens))` and can be shared by
-later requests with the same prefix. Freed blocks keep their hash and sit in the free queue until
-they are reused, so a hit can revive them (vLLM v1's lazy eviction). Failure to allocate is a
-return value (`False`); the scheduler decides whom to preempt.
+later requests with the same prefix. A request's `cache_salt` (vLLM's) joins its first block's
+hash, so requests with different salts (or one salted, one not) share no block. Freed blocks keep
+their hash and sit in the free queue until they are reused, so a hit can revive them (vLLM v1's lazy
+eviction). Failure to allocate is a return value (`False`); the scheduler decides whom to preempt.
 """
 
 from __future__ import annotations
@@ -19,13 +20,20 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # confirmed tokens of a hashed block, to verify hits
+    # What a hashed block's hash covers, compared on every hit: confirmed tokens, the previous block's
+    # hash, and the salt of a request's first block.
+    token_ids: tuple[int, ...] = ()
+    parent_hash: int | None = None
+    cache_salt: str | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    # Python's tuple/int hashes are deterministic (no per-process salt), and every hit is also
-    # confirmed by comparing tokens, so collisions cannot corrupt outputs.
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    # Every hit is also confirmed by comparing what the hash covers, so collisions cannot corrupt
+    # outputs nor cross salts. The salt goes into the first block only (as in vLLM): later blocks
+    # chain from it.
+    if cache_salt is None:
+        return hash((parent_hash, tuple(token_ids)))
+    return hash((parent_hash, tuple(token_ids), cache_salt))
 
 
 class BlockPool:
@@ -57,13 +65,19 @@ class BlockPool:
                     del self._by_hash[block.block_hash]
                 block.block_hash = None
                 block.token_ids = ()
+                block.parent_hash = block.cache_salt = None
             block.ref_cnt = 1
             out.append(block_id)
         return out
 
-    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+               cache_salt: str | None = None) -> int | None:
         block_id = self._by_hash.get(block_hash)
-        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if (block.token_ids != tuple(token_ids) or block.parent_hash != parent_hash
+                or block.cache_salt != cache_salt):
             return None
         return block_id
 
@@ -84,18 +98,21 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block_id] = None
 
-    def register(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
+    def register(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+                 cache_salt: str | None = None) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent_hash, block.cache_salt = parent_hash, cache_salt
         self._by_hash.setdefault(block_hash, block_id)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = ()
+            block.parent_hash = block.cache_salt = None
         self._by_hash.clear()
 
 
@@ -122,9 +139,10 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Longest cached prefix of `token_ids` in whole blocks; the last token is always recomputed
-        so the step that follows produces logits."""
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            cache_salt: str | None = None) -> tuple[list[int], int]:
+        """Longest cached prefix of `token_ids` under `cache_salt` in whole blocks; the last token is
+        always recomputed so the step that follows produces logits."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
@@ -133,8 +151,9 @@ class KVCacheManager:
         parent: int | None = None
         for i in range(max_blocks):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, chunk)
-            block_id = self.pool.lookup(h, chunk)
+            salt = cache_salt if i == 0 else None
+            h = hash_block(parent, chunk, salt)
+            block_id = self.pool.lookup(h, parent, chunk, salt)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -168,8 +187,10 @@ class KVCacheManager:
             rb.block_ids.extend(new_computed_blocks)
             parent = rb.block_hashes[-1] if rb.block_hashes else None
             for b in new_computed_blocks:
-                h = self.pool.blocks[b].block_hash
-                assert h is not None and hash_block(parent, self.pool.blocks[b].token_ids) == h
+                block = self.pool.blocks[b]
+                h = block.block_hash
+                assert h is not None and block.parent_hash == parent
+                assert hash_block(parent, block.token_ids, block.cache_salt) == h
                 rb.block_hashes.append(h)
                 parent = h
         if need:
@@ -179,8 +200,10 @@ class KVCacheManager:
         self._reqs[request_id] = rb
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_confirmed: int) -> None:
-        """Hash every full block whose tokens are all confirmed (`token_ids[:num_confirmed]`)."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_confirmed: int,
+                          cache_salt: str | None = None) -> None:
+        """Hash every full block whose tokens are all confirmed (`token_ids[:num_confirmed]`), the
+        first one under the request's `cache_salt`."""
         if not self.enable_prefix_caching:
             return
         rb = self._reqs[request_id]
@@ -189,8 +212,9 @@ class KVCacheManager:
         parent = rb.block_hashes[-1] if rb.block_hashes else None
         for i in range(len(rb.block_hashes), num_full):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, chunk)
-            self.pool.register(rb.block_ids[i], h, chunk)
+            salt = cache_salt if i == 0 else None
+            h = hash_block(parent, chunk, salt)
+            self.pool.register(rb.block_ids[i], h, parent, chunk, salt)
             rb.block_hashes.append(h)
             parent = h
 

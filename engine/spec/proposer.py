@@ -19,6 +19,9 @@ class DraftRequest:
     num_drafts: int  # the most drafts wanted this step (>= 1)
     # The target's block table (read-only): MTP assistants attend over the target's paged KV.
     block_table: list[int] | None = None
+    # The request's cache_salt: state shared across requests (suffix decoding's past responses) is
+    # only shared between requests of the same salt.
+    cache_salt: str | None = None
 
 
 class Proposer(Protocol):

@@ -1,9 +1,10 @@
 """Suffix decoding (SuffixDecoding / Arctic Inference's idea, implemented here from the paper's
-description): depth-bounded suffix tries over (a) the request's own prompt + output and (b) a global
-cache of past responses. Each step matches the longest suffix of the context in a trie and follows
-the most frequent continuation while its estimated probability stays above `min_token_prob`, for at
-most `min(k, max_spec_factor * match_length)` tokens. The trie giving the higher expected number of
-accepted tokens wins.
+description): depth-bounded suffix tries over (a) the request's own prompt + output and (b) a cache
+of past responses, one trie per `cache_salt` (a salted request drafts only from responses of its own
+salt; unsalted requests share one), all salts together bounded by `max_cached_requests`. Each step
+matches the longest suffix of the context in a trie and follows the most frequent continuation while
+its estimated probability stays above `min_token_prob`, for at most `min(k, max_spec_factor *
+match_length)` tokens. The trie giving the higher expected number of accepted tokens wins.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ class SuffixProposer:
         self.max_cached = max_cached_requests
         self.spec_factor = max_spec_factor
         self.min_prob = min_token_prob
-        self.global_trie = SuffixTrie(max_tree_depth + 1)
-        self._cached: OrderedDict[str, list[int]] = OrderedDict()  # past responses, oldest first
-        # request -> (trie, tokens inserted, the request's token list, prompt length)
-        self._local: dict[str, tuple[SuffixTrie, int, list[int], int]] = {}
+        self._tries: dict[str | None, SuffixTrie] = {}  # cache_salt -> trie of its past responses
+        # past responses, oldest first: request -> (its cache_salt, output tokens)
+        self._cached: OrderedDict[str, tuple[str | None, list[int]]] = OrderedDict()
+        self._num_cached: dict[str | None, int] = {}  # cache_salt -> responses in its trie
+        # request -> (trie, tokens inserted, the request's token list, prompt length, cache_salt)
+        self._local: dict[str, tuple[SuffixTrie, int, list[int], int, str | None]] = {}
 
     def _local_trie(self, r: DraftRequest) -> SuffixTrie:
         entry = self._local.get(r.request_id)
@@ -111,7 +114,7 @@ class SuffixProposer:
             trie, n = entry[0], entry[1]
             if n < len(r.token_ids):
                 trie.extend(r.token_ids, n)
-        self._local[r.request_id] = (trie, len(r.token_ids), r.token_ids, r.num_prompt_tokens)
+        self._local[r.request_id] = (trie, len(r.token_ids), r.token_ids, r.num_prompt_tokens, r.cache_salt)
         return trie
 
     def _draft(self, trie: SuffixTrie, context: list[int], k: int) -> tuple[list[int], float]:
@@ -126,7 +129,8 @@ class SuffixProposer:
         for r in requests:
             context = r.token_ids[-self.depth :]
             local = self._draft(self._local_trie(r), context, r.num_drafts)
-            glob = self._draft(self.global_trie, context, r.num_drafts) if self._cached else ([], 0.0)
+            past = self._tries.get(r.cache_salt)
+            glob = self._draft(past, context, r.num_drafts) if past is not None else ([], 0.0)
             out.append(max(local, glob, key=lambda d: d[1])[0])
         return out
 
@@ -136,14 +140,24 @@ class SuffixProposer:
     def release(self, request_id: str, finished: bool) -> None:
         entry = self._local.pop(request_id, None)
         if finished and entry is not None:
-            _, _, token_ids, num_prompt = entry
-            self.cache_response(request_id, token_ids[num_prompt:])
+            _, _, token_ids, num_prompt, salt = entry
+            self.cache_response(request_id, token_ids[num_prompt:], salt)
 
-    def cache_response(self, request_id: str, output_token_ids: list[int]) -> None:
+    def cache_response(self, request_id: str, output_token_ids: list[int],
+                       cache_salt: str | None = None) -> None:
         if self.max_cached == 0 or not output_token_ids:
             return
-        self._cached[request_id] = list(output_token_ids)
-        self.global_trie.add(self._cached[request_id])
+        tokens = list(output_token_ids)
+        self._cached[request_id] = (cache_salt, tokens)
+        trie = self._tries.get(cache_salt)
+        if trie is None:
+            trie = self._tries[cache_salt] = SuffixTrie(self.depth + 1)
+        trie.add(tokens)
+        self._num_cached[cache_salt] = self._num_cached.get(cache_salt, 0) + 1
         while len(self._cached) > self.max_cached:
-            _, old = self._cached.popitem(last=False)
-            self.global_trie.add(old, sign=-1)
+            _, (salt, old) = self._cached.popitem(last=False)
+            self._num_cached[salt] -= 1
+            if self._num_cached[salt] == 0:  # a salt's last response: its trie goes with it
+                del self._num_cached[salt], self._tries[salt]
+            else:
+                self._tries[salt].add(old, sign=-1)
