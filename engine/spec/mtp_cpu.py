@@ -5,7 +5,7 @@ building its ~35 ops in Python, ~1.35 ms evaluating them); the C loop drafts in 
 (README, *MTP assistants*). Used where the assistant is a trained one (`specserve_mtp`) reading a float32
 head-major KV cache and a float32 embedding table on an AVX-512 CPU (no sliding window, split-halves
 RoPE); `"draft_backend": "mlx"` in the speculative config keeps the MLX module, which stays the reference:
-tests/test_mtp_smollm2.py checks that both draft the same tokens.
+tests/spec/test_mtp_smollm2.py checks that both draft the same tokens.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.conftest import RunningServer
-from tests.test_server_errors import assert_openai_error
+from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -19,7 +19,7 @@ from server.cli import build_parser, resolve_settings
 from server.serving import OpenAIServing
 from server.settings import ServerSettings
 from tests.conftest import RunningServer
-from tests.test_server_errors import assert_openai_error
+from tests.server.test_server_errors import assert_openai_error
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -290,7 +290,7 @@ def test_bench_health_runs_and_writes_its_report(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tools.bench_health", "--seconds", "2", "--idle-seconds", "0.5",
            "--clients", "2", "--kinds", "tokenize_text,detokenize", "--max-model-len", "256",
            "--kv-cache-memory", "64MiB", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "/health under load" in proc.stdout

@@ -19,7 +19,7 @@ from setuptools import find_packages
 
 from loadtests.servers import ServerProcess, ServerSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 PACKAGES: list[str] = SETUPTOOLS["packages"]

@@ -3,7 +3,7 @@
 The emulation walks the shaders' launch grids with their index formulas; here it is compared with the
 engine's reference attention (MLX gather + attention ops) through the engine's own metadata. The
 `metal` tests run the real kernels and skip, with a reason shown in the summary, where MLX has no
-Metal device (Linux, CI). On a Mac: `pytest -m metal tests/test_metal_kernels.py`.
+Metal device (Linux, CI). On a Mac: `pytest -m metal tests/kernels/test_metal_kernels.py`.
 """
 
 from __future__ import annotations

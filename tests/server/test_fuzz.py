@@ -2,7 +2,7 @@
 
 A real server (real engine, small limits so that generated requests stay cheap) answers every
 generated request, valid or not: never a 5xx, and responses match the schema the server publishes.
-The default run is bounded (`FUZZ_EXAMPLES`, 6 per operation); `pytest -m slow tests/test_fuzz.py`
+The default run is bounded (`FUZZ_EXAMPLES`, 6 per operation); `pytest -m slow tests/server/test_fuzz.py`
 runs 60 per operation.
 """
 

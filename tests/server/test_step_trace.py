@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from server.settings import ServerSettings
-from tests.test_server_metrics import MODEL, scrape, value, wait_for
+from tests.server.test_server_metrics import MODEL, scrape, value, wait_for
 from tools import step_trace
 
 COPY = ("Repeat this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "

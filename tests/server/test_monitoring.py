@@ -1,8 +1,8 @@
 """configs/monitoring/compose.yaml: specserve, Prometheus and Grafana with the data source and the dashboard
 provisioned. Everything it mounts or builds exists, Prometheus scrapes the specserve service, Grafana's
 data source is the Prometheus service, and the dashboard uses that data source and comes from the folder
-the provisioning reads. (That the dashboard's series are ones the server exports: tests/test_configs.py,
-against a real scrape.)"""
+the provisioning reads. (That the dashboard's series are ones the server exports:
+tests/server/test_configs.py, against a real scrape.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "configs" / "monitoring"
 COMPOSE: dict[str, Any] = yaml.safe_load((MONITORING / "compose.yaml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]

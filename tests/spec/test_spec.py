@@ -161,7 +161,7 @@ def test_config_defaults_like_vllm() -> None:
 
 
 def test_draft_with_other_vocabulary_fails_at_startup(tmp_path) -> None:
-    from tests.test_models import TINY, make_tiny_folder
+    from tests.engine.test_models import TINY, make_tiny_folder
 
     TINY["llama_small_vocab"] = dict(TINY["llama"], vocab_size=1000)
     try:
@@ -174,7 +174,7 @@ def test_draft_with_other_vocabulary_fails_at_startup(tmp_path) -> None:
 
 
 def test_sliding_window_draft_fails_at_startup(tmp_path) -> None:
-    from tests.test_models import make_tiny_folder
+    from tests.engine.test_models import make_tiny_folder
 
     folder = make_tiny_folder("gemma3_text", tmp_path)
     with pytest.raises(ValueError, match="sliding-window"):
@@ -305,7 +305,7 @@ def test_small_draft_pool_takes_blocks_back_and_stays_exact() -> None:
 # -- exactness under load ------------------------------------------------------------------------------
 def test_verification_beside_a_long_prefill_chunk_equals_plain() -> None:
     """One step over 256 rows (the default budget is 512): a request verifying drafts beside another's
-    long prefill chunk. Both outputs are the plain greedy ones (tests/test_small_gemm.py checks the
+    long prefill chunk. Both outputs are the plain greedy ones (tests/kernels/test_small_gemm.py checks the
     logits of such a step bitwise)."""
     llm = spec_llm("ngram")
     core = llm.core

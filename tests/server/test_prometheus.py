@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import RunningServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed "

@@ -1,6 +1,6 @@
 """configs/: every example config starts a valid engine configuration, the Prometheus config scrapes
 the default address, and the dashboard's queries name series a real server exports.
-(Dockerfile.dev is checked in tests/test_dockerfile.py.)"""
+(Dockerfile.dev is checked in tests/server/test_dockerfile.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.spec.config import parse_speculative_config
 from server.cli import build_parser, resolve_settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DASHBOARD = ROOT / "configs" / "grafana" / "specserve-dashboard.json"
 SERIES = re.compile(r"\b((?:vllm|specserve):[a-z0-9_]+)")

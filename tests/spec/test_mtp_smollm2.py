@@ -13,7 +13,7 @@ from engine.models.loader import load_model
 from engine.sampling import SamplingParams
 from tests.helpers import CHATS
 
-ASSISTANT = Path(__file__).resolve().parents[1] / "configs" / "assistants" / "smollm2-135m-mtp"
+ASSISTANT = Path(__file__).resolve().parents[2] / "configs" / "assistants" / "smollm2-135m-mtp"
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 the whole table the server is idle, its KV pool full, `/health` fine and greedy output unchanged.
 
 The table is about requests a public server must refuse (outages, leaks, resource exhaustion); the
-plain validation cases live in tests/test_server_errors.py.
+plain validation cases live in tests/server/test_server_errors.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import RunningServer
-from tests.test_server_errors import assert_openai_error
+from tests.server.test_server_errors import assert_openai_error
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = "/v1/chat/completions"

@@ -145,7 +145,7 @@ def test_hub_id_resolves_offline_from_local_cache(tmp_path: Path) -> None:
         "print(m.source, m.path, o[0].token_ids)\n")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert res.returncode == 0, res.stderr[-2000:]
     source, path, toks = res.stdout.strip().splitlines()[-1].split(" ", 2)
     assert source == "hub" and Path(path) == snap

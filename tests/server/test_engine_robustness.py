@@ -27,8 +27,8 @@ from engine.loop import FATAL_EXIT_CODE
 from engine.stats import IterationStats, SpecDecodingStats
 from server.metrics import EngineSnapshot, Metrics
 from tests.conftest import RunningServer
-from tests.test_reliability import _free_port, wait_for
-from tests.test_server_errors import assert_openai_error
+from tests.server.test_reliability import _free_port, wait_for
+from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -243,7 +243,7 @@ def test_serve_exits_non_zero_when_the_engine_cannot_go_on(tmp_path: Path) -> No
                       f"fault_injection: {{raise_in_forward: {TRIGGERS['raise_in_forward']}}}\n")
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_API_KEY"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's code
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # this checkout's code
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(config)],
                                 stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)

@@ -16,7 +16,7 @@ from engine.models.loader import load_model
 from engine.sampling import SamplingParams
 from engine.training.assistant import TrainSettings
 from engine.training.draft import DraftSettings, cut_model, train_draft
-from tests.test_models import make_tiny_folder
+from tests.engine.test_models import make_tiny_folder
 
 
 def _data() -> TrainSettings:

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from tests.conftest import RunningServer
-from tests.test_server_errors import assert_openai_error
-from tests.test_server_metrics import scrape, wait_for
+from tests.server.test_server_errors import assert_openai_error
+from tests.server.test_server_metrics import scrape, wait_for
 
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

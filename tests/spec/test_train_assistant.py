@@ -28,7 +28,7 @@ from engine.training.assistant import (
     train_assistant,
 )
 from engine.training.draft import DraftSettings
-from tests.test_models import make_tiny_folder
+from tests.engine.test_models import make_tiny_folder
 
 
 def _settings(steps: int) -> TrainSettings:
@@ -190,7 +190,7 @@ def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> Non
 
     from loadtests.offline import run_batch
     from tests.conftest import run_server
-    from tests.test_server_spec import spec_counters
+    from tests.server.test_server_spec import spec_counters
 
     target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
     out = tmp_path / "assistant"

@@ -14,7 +14,7 @@ from engine.attention.reference import paged_attention_reference
 from engine.attention.selector import select_attention
 from engine.attention.types import build_metadata
 from engine.kv.cache import PagedKVCache
-from tests.test_metal_kernels import _dense_reference, _scenario
+from tests.kernels.test_metal_kernels import _dense_reference, _scenario
 
 WHY = unsupported_reason()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"the C attention cannot run here: {WHY}")

@@ -497,7 +497,7 @@ def test_auto_config_parses_and_static_keys_still_validate() -> None:
 @pytest.mark.parametrize("method", list(AUTO))
 def test_auto_is_exact_at_batch_1_and_4(method: str) -> None:
     from tests.helpers import default_model, make_llm
-    from tests.test_spec import GREEDY, assert_pool_full, plain, prompts
+    from tests.spec.test_spec import GREEDY, assert_pool_full, plain, prompts
 
     cfg = dict(AUTO[method])
     if cfg.get("model") == "<target>":
@@ -526,7 +526,7 @@ def test_lookup_drafts_are_made_before_the_choice() -> None:
 
     from engine.spec.ngram import find_ngram_draft
     from tests.helpers import make_llm
-    from tests.test_spec import GREEDY, assert_pool_full, prompts
+    from tests.spec.test_spec import GREEDY, assert_pool_full, prompts
 
     llm = make_llm(speculative_config=AUTO["ngram"])
     core, est = llm.core, llm.core.adaptive.acceptance

@@ -3,7 +3,7 @@ server with speculation on (greedy requests draft, sampled ones skip drafting in
 
 Afterwards nothing is running, the KV pool is full again, RSS grew by less than a stated bound, and
 every completed greedy answer equals the one the same server gave alone. The quick variant runs in the
-default suite; `pytest -m slow tests/test_soak.py` runs thousands of requests
+default suite; `pytest -m slow tests/server/test_soak.py` runs thousands of requests
 (`SOAK_REQUESTS` overrides the count).
 """
 

@@ -23,7 +23,7 @@ import engine
 from server.cli import build_parser, main, resolve_settings
 from specserve_configs import shipped
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPECSERVE = str(Path(sys.executable).parent / "specserve")
 
 ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
