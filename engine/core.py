@@ -25,11 +25,9 @@ from engine.runner import ModelRunner
 from engine.sampler import set_global_seed
 from engine.sampling import SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
-from engine.spec.adaptive import AdaptiveController, Candidate
-from engine.spec.backoff import DraftBackoff
-from engine.spec.factory import build_proposer, load_draft
-from engine.spec.proposer import DraftRequest, Proposer
-from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
+from engine.spec.decoding import SpecDecoding
+from engine.spec.factory import load_draft
+from engine.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)
 
@@ -89,21 +87,10 @@ class EngineCore:
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size
-        self.proposer: Proposer | None = None
-        self.backoff = DraftBackoff()
-        self.adaptive: AdaptiveController | None = None
+        self.speculation: SpecDecoding | None = None
         if self.spec is not None:
-            self.proposer = build_proposer(self.spec, draft, draft_blocks, bs, self.loaded, self.runner)
-            if self.spec.adaptive is not None:
-                a = self.spec.adaptive
-                self.adaptive = AdaptiveController(
-                    self.spec.num_speculative_tokens, ema=a.acceptance_ema, base_probe=a.probe_interval,
-                    gate_probes=not self.proposer.drafts_before_choice)
-            logger.info("speculative decoding: %s, num_speculative_tokens=%s%s", self.spec.method,
-                        f"auto (up to {self.spec.num_speculative_tokens})" if self.spec.adaptive
-                        else self.spec.num_speculative_tokens,
-                        f", draft {draft.name} ({draft.path}), its KV cache {draft_blocks} blocks"
-                        if draft is not None else "")
+            self.speculation = SpecDecoding(self.spec, draft, draft_blocks, bs, self.loaded, self.runner,
+                                            self.spec_max_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Requests that ended outside a step (aborts): reported with the next stats object.
         self._finished_backlog: list[FinishedRequestStats] = []
@@ -186,7 +173,7 @@ class EngineCore:
         if req is None:
             return None
         self._detok.pop(request_id, None)
-        self._release(req)
+        self._release_request(req)
         self._finished_backlog.append(self._finished_stats(req))
         return self._output(req, [], "", None)
 
@@ -214,9 +201,35 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return [], None
+        res = self._execute(so)
+        spec = self.speculation
+        spec_stats = spec.observe(so, res, self.scheduler.requests) if spec is not None else None
+        updates = self.scheduler.update(so, res)
+        now = time.monotonic()
+        stats = self._new_stats(now, now - t0, len(so.scheduled))
+        stats.num_preempted = len(so.preempted_ids)
+        stats.num_batched_tokens = so.num_batched_tokens
+        stats.finished, self._finished_backlog = self._finished_backlog, []
+        stats.spec = spec_stats
+        if spec is not None:
+            spec.observe_step(so, now - t0)
+            spec.preempted(so.preempted_ids)
+        lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
+        outputs = [self._emit(req, new_tokens, lp_by_id.get(req.request_id), stats)
+                   for req, new_tokens in updates]
+        stats.num_running = len(self.scheduler.running)
+        stats.kv_cache_usage = self.kv.usage()
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.kv, stats)
+        return outputs, stats
+
+    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """The runner's step; a failure fails only the requests that fail alone, and a runner that fails
+        every request MAX_FAILED_STEPS steps in a row is taken to be broken (EngineFatalError)."""
         try:
             res = self.runner.execute(so)
             self._failed_steps = 0
+            return res
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine thread
             if len(so.scheduled) == 1:
                 logger.exception("step failed; failing its request %s", so.scheduled[0].request_id)
@@ -229,66 +242,43 @@ class EngineCore:
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise EngineFatalError(f"the forward pass failed for every request of {self._failed_steps} "
                                        f"steps in a row") from e
-        # Before update(): requests finishing this step still count their last verification.
-        spec_stats = self._spec_stats(so, res) if self.spec is not None else None
-        updates = self.scheduler.update(so, res)
-        lp_by_id = {sr.request_id: lp for sr, lp in zip(so.scheduled, res.logprobs, strict=True)}
+            return res
 
-        now = time.monotonic()
-        if self.adaptive is not None and all(sr.num_logits == len(sr.token_ids) for sr in so.scheduled):
-            # Decode/verify steps only: a long prefill chunk is far cheaper per token than draft rows.
-            drafting = sum(1 for sr in so.scheduled if len(sr.token_ids) > 1)
-            self.adaptive.observe_step(so.num_batched_tokens, now - t0, len(so.scheduled), drafting)
-        elif self.adaptive is not None:
-            self.adaptive.skip_step()
-        stats = self._new_stats(now, now - t0, len(so.scheduled))
-        stats.num_preempted = len(so.preempted_ids)
-        stats.num_batched_tokens = so.num_batched_tokens
-        stats.finished, self._finished_backlog = self._finished_backlog, []
-        if self.spec is not None:
-            stats.spec = spec_stats
-            for rid in so.preempted_ids:
-                if self.proposer is not None:
-                    self.proposer.release(rid, finished=False)
-        outputs: list[RequestOutput] = []
-        for req, new_tokens in updates:
-            detok = self._detok.get(req.request_id)
-            text = ""
-            if detok is not None and new_tokens:
-                seen = len(detok.output_token_ids)
-                text, stop_str = self._detokenize(req, detok, new_tokens)
-                if stop_str is not None:
-                    # Plain decoding ends at the token that completed the stop string: accepted drafts
-                    # after it are dropped, so that usage and metrics count what plain decoding does.
-                    kept = len(detok.output_token_ids) - seen
-                    req.drop_last_output(len(new_tokens) - kept)
-                    new_tokens = new_tokens[:kept]
-                if stop_str is not None and not req.status.finished:
-                    req.stop_reason = stop_str
+    def _emit(self, req: Request, new_tokens: list[int], logprobs: list | None,
+              stats: IterationStats) -> RequestOutput:
+        """One request's new tokens after the update: text and stop strings, counters, and its release
+        when it ended."""
+        detok = self._detok.get(req.request_id)
+        text = ""
+        if detok is not None and new_tokens:
+            seen = len(detok.output_token_ids)
+            text, stop_str = self._detokenize(req, detok, new_tokens)
+            if stop_str is not None:
+                # Plain decoding ends at the token that completed the stop string: accepted drafts
+                # after it are dropped, so that usage and metrics count what plain decoding does.
+                kept = len(detok.output_token_ids) - seen
+                req.drop_last_output(len(new_tokens) - kept)
+                new_tokens = new_tokens[:kept]
+                req.stop_reason = stop_str
+                if not req.status.finished:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                elif stop_str is not None:
-                    req.stop_reason = stop_str
+                else:
                     req.status = RequestStatus.FINISHED_STOPPED
-            stats.num_generation_tokens += len(new_tokens)
-            if new_tokens and req.num_output_tokens == len(new_tokens):
-                # Prefill done: count the whole prompt (cached part included), as vLLM does.
-                stats.num_prompt_tokens += req.num_prompt_tokens
-                stats.time_to_first_tokens.append(now - req.times.arrival)
-            elif new_tokens and req.times.inter_token is not None:
-                stats.inter_token_latencies.append(req.times.inter_token)
-            if req.status.finished:
-                if detok is not None and not isinstance(req.stop_reason, str) and req.error is None:
-                    # release text held back for a stop string that never came
-                    text += self._detokenize(req, detok, None)[0]
-                self._detok.pop(req.request_id, None)
-                self._release(req)
-                stats.finished.append(self._finished_stats(req))
-            outputs.append(self._output(req, new_tokens, text, lp_by_id.get(req.request_id)))
-        stats.num_running = len(self.scheduler.running)
-        stats.kv_cache_usage = self.kv.usage()
-        if self.proposer is not None:
-            self._propose(stats)
-        return outputs, stats
+        stats.num_generation_tokens += len(new_tokens)
+        if new_tokens and req.num_output_tokens == len(new_tokens):
+            # Prefill done: count the whole prompt (cached part included), as vLLM does.
+            stats.num_prompt_tokens += req.num_prompt_tokens
+            stats.time_to_first_tokens.append(stats.timestamp - req.times.arrival)
+        elif new_tokens and req.times.inter_token is not None:
+            stats.inter_token_latencies.append(req.times.inter_token)
+        if req.status.finished:
+            if detok is not None and not isinstance(req.stop_reason, str) and req.error is None:
+                # release text held back for a stop string that never came
+                text += self._detokenize(req, detok, None)[0]
+            self._detok.pop(req.request_id, None)
+            self._release_request(req)
+            stats.finished.append(self._finished_stats(req))
+        return self._output(req, new_tokens, text, logprobs)
 
     def _detokenize(self, req: Request, detok: IncrementalDetokenizer,
                     new_tokens: list[int] | None) -> tuple[str, str | None]:
@@ -327,132 +317,9 @@ class EngineCore:
             res.errors += one.errors
         return res, raised
 
-    # -- speculative decoding ------------------------------------------------------------------
-    def _spec_stats(self, so: SchedulerOutput, res: RunnerOutput) -> SpecDecodingStats:
-        st = SpecDecodingStats()
-        for sr, n_acc, err in zip(so.scheduled, res.num_accepted_drafts, res.errors, strict=True):
-            if not sr.spec_token_ids or err is not None:
-                continue
-            st.observe(len(sr.spec_token_ids), n_acc)
-            self.backoff.observe(sr.request_id, len(sr.spec_token_ids), n_acc)
-            if self.adaptive is not None:
-                self.adaptive.observe_verification(sr.request_id, len(sr.spec_token_ids), n_acc)
-            req = self.scheduler.requests.get(sr.request_id)
-            if req is not None:
-                req.spec_num_drafts += 1
-                req.spec_num_draft_tokens += len(sr.spec_token_ids)
-                req.spec_num_accepted_tokens += n_acc
-        return st
-
-    def _propose(self, stats: IterationStats) -> None:
-        """Ask the proposer for drafts of greedy requests in decode; drafts are verified next step.
-        K: the static controls give the most a request may take; with "auto" the adaptive controller
-        picks per request within that (0 included)."""
-        assert self.spec is not None and self.proposer is not None
-        k_batch = self.spec.tokens_for_batch(len(self.scheduler.running))
-        if self.adaptive is not None:
-            stats.spec_cost_estimates = self.adaptive.estimates()
-        if k_batch == 0:
-            return
-        reqs: list[DraftRequest] = []
-        targets: list[Request] = []
-        for req in self.scheduler.running:
-            if req.spec_disabled or not req.params.spec_decode_ok:
-                continue
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue  # still prefilling
-            if self.adaptive is None and not self.proposer.filters_drafts \
-                    and not self.backoff.should_draft(req.request_id):
-                continue  # with "auto" the controller does its own back-off and re-probing
-            k = min(k_batch, req.max_tokens - req.num_output_tokens - 1,
-                    self.spec_max_len - req.num_tokens)
-            if k < 1:
-                continue
-            reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
-                                     self.kv.block_table(req.request_id), req.cache_salt))
-            targets.append(req)
-        if not reqs:
-            stats.spec_chosen_k = []
-            return
-        t0 = time.monotonic()
-        drafts: list[list[int]] | None = None
-        if self.adaptive is not None:
-            if self.proposer.drafts_before_choice:
-                # Lookups first: a request without a match is no candidate (it neither drafts nor counts
-                # as backed off), and the step's predicted cost holds only drafts that exist.
-                drafts = self._draft(reqs, targets)
-                for r, d in zip(reqs, drafts, strict=True):
-                    r.num_drafts = len(d)
-            has = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
-            cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts,
-                               self.proposer.catch_up_tokens(reqs[i])) for i in has]
-            rows = self._decoding_requests()
-            ks = [0] * len(reqs)
-            for i, k in zip(has, self.adaptive.choose(cands, rows, rows, num_rows=rows), strict=True):
-                ks[i] = k
-            stats.spec_chosen_k = ks
-            for r, k in zip(reqs, ks, strict=True):
-                r.num_drafts = k
-        else:
-            stats.spec_chosen_k = [r.num_drafts for r in reqs]
-        if drafts is None:
-            keep = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
-            drafts = [[] for _ in reqs]
-            for i, d in zip(keep, self._draft([reqs[i] for i in keep], [targets[i] for i in keep]),
-                            strict=True):
-                drafts[i] = d
-        # Per token made: for lookups every token looked up, not only the ones chosen (their time is spent
-        # whatever the choice, and the few chosen under load would price a free draft like a dear one).
-        made = sum(len(d) for d in drafts)
-        for req, r, d in zip(targets, reqs, drafts, strict=True):
-            req.spec_token_ids = list(d[: r.num_drafts])
-        stats.spec_propose_seconds = seconds = time.monotonic() - t0
-        if self.adaptive is not None:
-            self.adaptive.observe_draft(made, seconds)
-
-    def _draft(self, reqs: list[DraftRequest], targets: list[Request]) -> list[list[int]]:
-        """The proposer's drafts; where a batch fails, each request alone, and one that fails alone
-        stops drafting (drafting is an optimisation: the rest go on)."""
-        if not reqs:
-            return []
-        try:
-            return self._call_proposer(reqs)
-        except Exception:  # noqa: BLE001
-            logger.warning("proposer failed on a batch of %d; retrying each request alone", len(reqs))
-        drafts: list[list[int]] = []
-        for req, r in zip(targets, reqs, strict=True):
-            try:
-                drafts.append(self._call_proposer([r])[0])
-            except Exception:  # noqa: BLE001
-                logger.exception("proposer failed for %s; speculation disabled for it", req.request_id)
-                req.spec_disabled = True
-                self.proposer.release(req.request_id, finished=False)  # type: ignore[union-attr]
-                drafts.append([])
-        return drafts
-
-    def _decoding_requests(self) -> int:
-        """Requests the next step decodes (sampled ones included): the step whose rate drafting must
-        beat. Prefill chunks in the same step are left out: their time is spent whatever the drafts,
-        and counted in the rate they made a mixed step look slow (1 token in 2 s), so that a draft
-        model's catch-up prefill seemed to pay and a self-draft drafted at every new wave."""
-        return sum(1 for req in self.scheduler.running if req.num_tokens - req.num_computed_tokens <= 1)
-
-    def _call_proposer(self, reqs: list[DraftRequest]) -> list[list[int]]:
-        assert self.proposer is not None
-        faults = self.runner.faults
-        if faults is not None:
-            prompts = {r.request_id: r.token_ids[: r.num_prompt_tokens] for r in reqs}
-            if any(faults.hits("proposer_error", p) for p in prompts.values()):
-                raise InjectedFault("injected fault: proposer_error")
-        return self.proposer.propose(reqs)
-
-    def _release(self, req: Request) -> None:
-        self.backoff.release(req.request_id)
-        if self.adaptive is not None:
-            self.adaptive.release(req.request_id)
-        if self.proposer is not None:
-            normal = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-            self.proposer.release(req.request_id, finished=normal)
+    def _release_request(self, req: Request) -> None:
+        if self.speculation is not None:
+            self.speculation.release(req)
 
     def _output(self, req: Request, new_tokens: list[int], text: str, logprobs: list | None) -> RequestOutput:
         finished = req.status.finished

@@ -117,7 +117,7 @@ def test_request_timeout_aborts_and_frees_blocks(make_server) -> None:  # noqa: 
 def test_disconnect_frees_target_and_draft_blocks(make_server) -> None:  # noqa: ANN001
     spec = {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 2}
     with make_server(speculative_config=spec) as srv:
-        draft_kv = srv.core.proposer.kv
+        draft_kv = srv.core.speculation.proposer.kv
         body = {"model": MODEL, "prompt": "Count: one, two, three,", "max_tokens": 500, "temperature": 0,
                 "ignore_eos": True, "stream": True}
 
@@ -133,7 +133,7 @@ def test_disconnect_frees_target_and_draft_blocks(make_server) -> None:  # noqa:
         asyncio.run(open_and_drop())
         wait_for(srv.idle, timeout=3)
         assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks  # the draft's own pool too
-        assert srv.core.proposer is not None and srv.client.alive
+        assert srv.core.speculation.proposer is not None and srv.client.alive
 
 
 def test_engine_thread_death_gives_503_not_hangs(make_server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -292,7 +292,7 @@ def test_cancellation_keeps_prefix_refcounts_and_frees_draft_blocks(make_server)
     # an aborted request sharing cached prefix blocks must drop exactly its own references.
     spec = {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 2}
     with make_server(speculative_config=spec, request_timeout=6) as srv:
-        pool, draft_kv = srv.core.kv.pool, srv.core.proposer.kv
+        pool, draft_kv = srv.core.kv.pool, srv.core.speculation.proposer.kv
         tok = srv.core.tokenizer
         prefix = tok.encode("The quick brown fox jumps over the lazy dog. " * 8)[:48]  # 3 full blocks
         a, b = prefix + tok.encode(" Count to ten:"), prefix + tok.encode(" Name three colours:")

@@ -512,7 +512,7 @@ def test_auto_is_exact_at_batch_1_and_4(method: str) -> None:
                 drafted += o.spec_num_draft_tokens
     if method == "ngram":
         assert drafted > 0, "auto never drafted on copy-heavy prompts"
-    est = llm.core.adaptive.estimates()
+    est = llm.core.speculation.adaptive.estimates()
     assert est["step_1_token_seconds"] > 0 and est["step_per_token_at_8_seconds"] > 0
     assert est["verify_first_draft_seconds"] >= est["verify_further_draft_seconds"] > 0
     assert_pool_full(llm)
@@ -529,7 +529,7 @@ def test_lookup_drafts_are_made_before_the_choice() -> None:
     from tests.spec.test_spec import GREEDY, assert_pool_full, prompts
 
     llm = make_llm(speculative_config=AUTO["ngram"])
-    core, est = llm.core, llm.core.adaptive.acceptance
+    core, est = llm.core, llm.core.speculation.adaptive.acceptance
     for i, p in enumerate(prompts()[-4:]):  # chat and copy-heavy prompts
         core.add_request(str(i), llm.encode(p), GREEDY)
     idle: dict[str, int] = {}

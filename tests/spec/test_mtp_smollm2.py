@@ -75,7 +75,7 @@ def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN0
     core = EngineCore(EngineConfig(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False,
                                    speculative_config={"method": "mtp", "model": str(ASSISTANT),
                                                        "num_speculative_tokens": 3}), loaded=target)
-    prop = core.proposer
+    prop = core.speculation.proposer
     if prop.cpu is None:
         pytest.skip(f"C assistant pass not used here: {prop.cpu_reason}")
     prompts = [chat_prompt_ids(core.tokenizer, [{"role": "user", "content": c}]) for c in CHATS[:8]]

@@ -64,7 +64,8 @@ def spec_llm(method: str, speculative_config: dict | None = None, **kwargs):
 def assert_pool_full(llm) -> None:
     assert not llm.core.has_unfinished()
     assert llm.core.kv.num_free_blocks == llm.core.kv.pool.num_blocks
-    draft_kv = getattr(llm.core.proposer, "kv", None)
+    spec = llm.core.speculation
+    draft_kv = getattr(spec.proposer, "kv", None) if spec is not None else None
     if draft_kv is not None:
         assert draft_kv.num_free_blocks == draft_kv.pool.num_blocks, "draft KV blocks leaked"
 
@@ -271,17 +272,18 @@ def test_draft_kv_split_static_auto_and_explicit() -> None:
     per_block = _target_block_bytes()  # the self-draft's blocks cost the same
     mem = str(400 * per_block)
     static = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem).core
-    assert static.kv.pool.num_blocks == static.proposer.kv.pool.num_blocks == 200  # a draft block beside each
+    # a draft block beside each
+    assert static.kv.pool.num_blocks == static.speculation.proposer.kv.pool.num_blocks == 200
     auto = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
                     speculative_config={"num_speculative_tokens": "auto"}).core
     # A quarter of the self-draft's half share: 50 draft blocks, the rest the target's.
-    assert (auto.kv.pool.num_blocks, auto.proposer.kv.pool.num_blocks) == (350, 50)
+    assert (auto.kv.pool.num_blocks, auto.speculation.proposer.kv.pool.num_blocks) == (350, 50)
     long_ctx = spec_llm("draft_model", max_model_len=1024, kv_cache_memory=mem,
                     speculative_config={"num_speculative_tokens": "auto"}).core
-    assert long_ctx.proposer.kv.pool.num_blocks == 64  # raised to one request of max_model_len
+    assert long_ctx.speculation.proposer.kv.pool.num_blocks == 64  # raised to one request of max_model_len
     explicit = spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
                         speculative_config={"draft_kv_cache_fraction": 0.1}).core
-    assert (explicit.kv.pool.num_blocks, explicit.proposer.kv.pool.num_blocks) == (360, 40)
+    assert (explicit.kv.pool.num_blocks, explicit.speculation.proposer.kv.pool.num_blocks) == (360, 40)
     with pytest.raises(ValueError, match="draft_kv_cache_fraction=0.01 gives the draft 4 KV blocks"):
         spec_llm("draft_model", max_model_len=256, kv_cache_memory=mem,
                  speculative_config={"draft_kv_cache_fraction": 0.01})
@@ -292,7 +294,7 @@ def test_small_draft_pool_takes_blocks_back_and_stays_exact() -> None:
     # blocks of others, which catch up later; output stays exactly the plain greedy output.
     llm = spec_llm("draft_model", max_model_len=256, kv_cache_memory=str(200 * _target_block_bytes()),
                    speculative_config={"draft_kv_cache_fraction": 0.1})
-    proposer = llm.core.proposer
+    proposer = llm.core.speculation.proposer
     assert proposer.kv.pool.num_blocks == 20
     outs = llm.generate(prompts(), GREEDY)
     assert [o.token_ids for o in outs] == plain()

@@ -174,7 +174,8 @@ def test_served_first_draft_is_the_training_forward_argmax(tmp_path: Path) -> No
         outs, _ = core.step()  # the prefill: its last row samples the first token
         (first,) = [o.new_token_ids[0] for o in outs if o.request_id == rid]
         seq = prompt + [first]
-        (served,) = core.proposer.draft([DraftRequest(rid, seq, len(prompt), 1, core.kv.block_table(rid))])[0]
+        draft_req = DraftRequest(rid, seq, len(prompt), 1, core.kv.block_table(rid))
+        (served,) = core.speculation.proposer.draft([draft_req])[0]
         b = _batch(target_features(target, [seq], layer), *args)
         logits, _ = net.train_logits(b[0], b[1], b[2])
         assert served == [head[int(mx.argmax(logits[0, -1]).item())]]  # query index -1: position len(prompt)
