@@ -450,6 +450,18 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "OUTPUT_INIT", float("nan"))
 
 
+def _metal_matches_reference(cases: list, seed: int, bs: int, d: int, dtype: mx.Dtype,
+                             window: int | None) -> None:
+    from metal_kernels.ops import paged_attention_metal
+
+    for case in cases:
+        q, kb, vb, meta, _ = _scenario(seed, bs, d, case, dtype=dtype)
+        ref = paged_attention_reference(q, kb, vb, meta, d ** -0.5, window)
+        out = paged_attention_metal(q, kb, vb, meta, d ** -0.5, window)
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                                   rtol=TOL[dtype], atol=TOL[dtype])
+
+
 @pytest.mark.metal
 @needs_metal
 @pytest.mark.usefixtures("poison_outputs")
@@ -458,14 +470,7 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("window", [None, 9])
 def test_metal_decode_matches_reference(dtype: mx.Dtype, bs: int, d: int, window: int | None) -> None:
-    from metal_kernels.ops import paged_attention_metal
-
-    for case in CASES:
-        q, kb, vb, meta, _ = _scenario(bs + d, bs, d, case, dtype=dtype)
-        ref = paged_attention_reference(q, kb, vb, meta, d ** -0.5, window)
-        out = paged_attention_metal(q, kb, vb, meta, d ** -0.5, window)
-        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)),
-                                   rtol=TOL[dtype], atol=TOL[dtype])
+    _metal_matches_reference(CASES, bs + d, bs, d, dtype, window)
 
 
 @pytest.mark.metal
@@ -495,14 +500,7 @@ def test_metal_split_and_softcap_match_dense(partition_size: int) -> None:
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("window", [None, 13])
 def test_metal_prefill_matches_reference(dtype: mx.Dtype, bs: int, d: int, window: int | None) -> None:
-    from metal_kernels.ops import paged_attention_metal
-
-    for case in PREFILL_CASES:
-        q, kb, vb, meta, _ = _scenario(bs * d, bs, d, case, dtype=dtype)
-        ref = paged_attention_reference(q, kb, vb, meta, d ** -0.5, window)
-        out = paged_attention_metal(q, kb, vb, meta, d ** -0.5, window)
-        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)),
-                                   rtol=TOL[dtype], atol=TOL[dtype])
+    _metal_matches_reference(PREFILL_CASES, bs * d, bs, d, dtype, window)
 
 
 @pytest.mark.metal

@@ -27,7 +27,7 @@ from engine.loop import FATAL_EXIT_CODE
 from engine.stats import IterationStats, SpecDecodingStats
 from server.metrics import EngineSnapshot, Metrics
 from tests.conftest import RunningServer
-from tests.server.test_reliability import _free_port, wait_for
+from tests.server.test_reliability import _free_port, wait_for, wait_healthy
 from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"
@@ -248,14 +248,7 @@ def test_serve_exits_non_zero_when_the_engine_cannot_go_on(tmp_path: Path) -> No
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(config)],
                                 stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         poison = _body([1, 2, 3, TRIGGERS["raise_in_forward"]])
         assert httpx.post(url + COMP, json=poison, timeout=60).status_code == 500
         with contextlib.suppress(httpx.TransportError):  # the server may already be going away

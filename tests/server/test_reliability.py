@@ -342,6 +342,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> None:
+    """Until the server process at `url` answers /health 200 (its log in the failure message)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path) -> None:
     key, grace = "sk-shutdown-secret-93b2e7", 8.0
     port = _free_port()
@@ -356,14 +368,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path
                                 stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={k: v for k, v in os.environ.items() if k != "SPECSERVE_API_KEY"})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         assert httpx.post(url + COMP, json=_body([1, 2], max_tokens=2), timeout=30,
                           headers={"Authorization": f"Bearer {key[:-1]}0"}).status_code == 401
         streams: dict[str, list[str]] = {"short": [], "long": []}
