@@ -1,9 +1,10 @@
 """Pick an optimized BLAS for MLX's CPU backend before `mlx` is first imported.
 
-The `mlx-cpu` wheel on Linux links the reference BLAS (~7 GFLOP/s). libmlx resolves `cblas_sgemm`
-from the global symbol scope, so loading an optimized library with RTLD_GLOBAL *before* libmlx is
-loaded makes every float32 matmul use it. `SPECSERVE_BLAS` chooses: `auto` (default), `mkl`,
-`openblas`, `reference`, or a path to a shared library exporting plain `cblas_*` symbols.
+The `mlx-cpu` wheel on Linux links the reference BLAS, an order of magnitude slower than an optimized
+one. libmlx resolves `cblas_sgemm` from the global symbol scope, so loading an optimized library with
+RTLD_GLOBAL *before* libmlx is loaded makes every float32 matmul use it. `SPECSERVE_BLAS` chooses:
+`auto` (default), `mkl`, `openblas`, `reference`, or a path to a shared library exporting plain
+`cblas_*` symbols.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
 On the CPU, MLX allocates every array buffer with plain `malloc` on the thread that evaluates the graph
 and the last reference often dies on another (the engine thread), so each engine step allocates and
 frees the same buffers of up to tens of megabytes. With glibc's defaults a process can fall into a
-cycle that costs it half its speed: once the evaluating thread is moved to a secondary arena (arenas
-are handed out under lock contention, so when depends on timing), a buffer that does not fit that
-arena's 64 MiB heap gets a new heap (mmap), and freeing it deletes the heap again (munmap), every step:
-one `off` server of a load test made 420 heap mmaps in 8 s, 31 million minor page faults in all
-(130,000-190,000 a second), and ran decode steps of 32 requests in 1.15 s where the servers beside it,
-same shapes, took 0.56 s. Which server falls in, and when, is chance: it read as noise between
-identical servers, and hit every kind of server in some run.
+cycle that costs it about half its speed: once the evaluating thread is moved to a secondary arena
+(arenas are handed out under lock contention, so when depends on timing), a buffer that does not fit
+that arena's 64 MiB heap gets a new heap (mmap), and freeing it deletes the heap again (munmap), every
+step, each new heap's pages faulting in afresh. Which server falls in, and when, is chance, so it reads
+as noise between identical servers (figures: docs/design-notes.md).
 
 Here: one arena (the main heap, which grows without a 64 MiB limit), buffers up to 32 MiB (glibc's
 largest mmap threshold) from it, and up to 256 MiB of free heap kept rather than given back.

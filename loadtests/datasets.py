@@ -125,8 +125,8 @@ def mixed_temp_items(greedy_fraction: float = 0.5, seed: int = 0) -> list[WorkIt
     for it in base:
         temp = 0.0 if rng.random() < greedy_fraction else round(rng.uniform(0.7, 1.0), 2)
         # A fixed seed per sampled item: every server compared samples the same text (speculation never
-        # touches sampled requests), so their token counts match. Unseeded, EOS came at random and one
-        # wave of 8 moved by 9% in tokens (468-512) at the same duration.
+        # touches sampled requests), so their token counts match. Unseeded, EOS comes at random and
+        # moves a wave's token count, and so its tokens/s, at the same duration.
         extra = {"seed": zlib.crc32(f"{seed}:{it.id}".encode())} if temp > 0 else {}
         items.append(WorkItem(id=it.id, messages=it.messages, temperature=temp, extra=extra))
     return items

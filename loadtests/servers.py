@@ -118,7 +118,8 @@ class ServerProcess:
 
     def minor_faults(self) -> int | None:
         """The server process's minor page faults so far (Linux /proc), None where unknown. A server
-        faulting ~100,000 times a second is stuck in malloc churn (engine/malloc.py), not comparable."""
+        that keeps faulting (matrix.py flags over 10,000 a second) is stuck in malloc churn
+        (engine/malloc.py), not comparable."""
         if self.proc is None:
             return None
         try:
@@ -206,7 +207,7 @@ def package_version(python: Path, pkg: str) -> str | None:
 
 def ensure_float32_model() -> Path:
     """A float32, unquantized copy of the default model for servers that would otherwise run its 4-bit
-    weights (mlx_lm on CPU is ~10x slower quantized); specserve dequantizes to float32 the same way."""
+    weights (mlx_lm on CPU is far slower quantized); specserve dequantizes to float32 the same way."""
     out = run_python("from loadtests.export_f32 import ensure_float32_copy\nprint(ensure_float32_copy())",
                      timeout=900)
     return Path(out.splitlines()[-1])

@@ -33,7 +33,7 @@ SPLIT_PARTITION = 512
 # Groups of at most this many query tokens per request (decode, draft verification) use the decode
 # kernel; longer chunks up to PREFILL_KERNEL_MAX_QUERY_LEN use the tiled prefill kernel. Longer
 # chunks stay on the gather path: they are compute-bound, the gather is paid once per chunk, and
-# MLX's fused SDPA uses simdgroup matrix tiles that the prefill kernel does not (see README).
+# MLX's fused SDPA uses simdgroup matrix tiles that the prefill kernel does not (metal_kernels/README.md).
 DECODE_MAX_QUERY_LEN = 16
 PREFILL_KERNEL_MAX_QUERY_LEN = 128
 PREFILL_Q_TILE = 8  # query rows (SIMD groups) per threadgroup sharing one K/V tile

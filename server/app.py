@@ -136,7 +136,7 @@ async def _log_stats(client: EngineClient, interval: float) -> None:
 
 # Endpoints are module-level and read the engine from `request.app.state`: FastAPI memoizes facts about
 # endpoint callables in process-wide caches, so endpoints that closed over an app's engine client kept
-# every app's engine and KV cache alive after shutdown (+0.5 GiB per test server).
+# every app's engine and KV cache alive after shutdown (tests start many servers in one process).
 router = APIRouter()
 
 

@@ -3,8 +3,7 @@
 Why: on MLX's CPU backend the reference path (`engine/attention/`: block gather, scores, mask,
 softmax, weighted sum as separate ops, each a pass over memory) grew with every request and query row.
 The C function reads keys and values straight from the head-major cache through the block tables, one
-(token, KV head) per task. Engine throughput against the reference path (README, *Engine*): 1.05x for
-one request, 1.26x for 8.
+(token, KV head) per task; the gain grows with the requests in a step (figures: docs/design-notes.md).
 
 It runs between MLX graphs: each layer's call evaluates the layer's queries and the cache (whose new
 rows MLX's scatter has just written), reads both through zero-copy views and hands back the output as
@@ -30,7 +29,7 @@ from engine.cpu.build import build_library, compile_flags, feature_reason, x86_l
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "attention.c"
 CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
-MAX_THREADS = 64  # threads for a step with ~1 ms of attention work or more (the C code caps at the CPUs)
+MAX_THREADS = 64  # threads for a step with much attention work (long prefill; the C code caps at the CPUs)
 
 
 def unsupported_reason() -> str | None:

@@ -35,8 +35,8 @@ def group_attention_reference(
         qg = q[:, :, None, :] if L == 1 else q.transpose(1, 0, 2)[None]  # [R, H, L, D]
     else:
         qg = mx.contiguous(q[g.q_index].transpose(0, 2, 1, 3))
-    # Contiguous copies: MLX's CPU SDPA on the transposed views was ~10x slower than copy + SDPA
-    # (46 vs 9 ms per layer at 32 decode rows x 300 keys, AVX2). kg, vg: [R, Hkv, C, D].
+    # Contiguous copies: MLX's CPU SDPA on the transposed views was far slower than copy + SDPA at
+    # many decode rows. kg, vg: [R, Hkv, C, D].
     kg = mx.contiguous(k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3))
     vg = mx.contiguous(v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3))
     o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(window))
@@ -57,8 +57,7 @@ def _group_attention_head_major(q: mx.array, k: mx.array, v: mx.array, g: Attent
     bs = g.block_size
     ctx = g.block_tables.shape[1] * bs
     # Whole blocks per (head, request): each index copies bs * D contiguous values, where a gather of
-    # single slots copied D at a time (30 layers, one request, ~300 keys: 2% of a decode step; 8
-    # requests: 5.5%). Same values, bitwise.
+    # single slots copied D at a time and showed in the decode step's time. Same values, bitwise.
     rows = g.head_block_rows(hkv, slots // bs)
     kg = k.reshape(-1, bs * d)[rows].reshape(hkv, R, ctx, d)
     vg = v.reshape(-1, bs * d)[rows].reshape(hkv, R, ctx, d)
@@ -72,9 +71,8 @@ def _group_attention_head_major(q: mx.array, k: mx.array, v: mx.array, g: Attent
 
 def _attend_pow2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
     """softmax(q k^T * scale, masked) v, as MLX's CPU SDPA composes it, with the exponential taken as a
-    power of two of log2(e)-scaled scores: MLX's CPU `exp` costs ~12.6 ns per element here against ~4.8
-    for `power(2, x)`, and the exponentials are most of attention once a step has many query rows
-    (one request verifying 4 drafts: -3%; 8 requests verifying 4 each: -11%; one decode row: equal).
+    power of two of log2(e)-scaled scores: MLX's CPU `exp` costs far more than `power(2, x)` per
+    element, and the exponentials are most of attention once a step has many query rows (verification).
     Rows do not mix: each query row's softmax and weighted sum read only its own scores."""
     s = (q * (scale * LOG2E)) @ k.swapaxes(-1, -2)
     s = mx.where(mask, s, -mx.inf)  # every query sees at least its own key: no row is all -inf

@@ -44,7 +44,7 @@ def select_attention(backend: AttentionBackend, *, metal_available: bool | None 
     """The attention function for `--attention-backend`, and a label for the start-up log.
 
     `auto` picks the Metal kernels when MLX has a Metal device, else the C kernel on an x86-64 CPU with
-    AVX-512F (engine/cpu_attention.py), else the reference path; `metal` or `cpu` where it cannot run is
+    AVX-512F (engine/attention/cpu.py), else the reference path; `metal` or `cpu` where it cannot run is
     a start-up error, not a silent fallback. Either kernel set first runs once on a small random case
     against the reference path (`self_test`): on an error or a mismatch `auto` logs it and takes the
     reference path, an explicit `metal` / `cpu` refuses to start. The C kernel also needs a float32

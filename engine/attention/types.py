@@ -69,7 +69,7 @@ class AttentionGroup:
 
 @dataclass(slots=True)
 class HostMetadata:
-    """The step's layout as NumPy int32 arrays, for attention written in C (engine/cpu_attention.py)."""
+    """The step's layout as NumPy int32 arrays, for attention written in C (engine/attention/cpu.py)."""
 
     positions: np.ndarray  # [T] each token's position
     token_table: np.ndarray  # [T] offset of its request's block table in `tables`
@@ -128,9 +128,9 @@ def build_metadata(
 
     # One group per query length up to _PAD_GROUP_MAX_TOKENS, so no query row is padded: decode rows are
     # not padded to a verifying request's length, nor is a request verifying one draft padded to
-    # another's four (adaptive K mixes lengths every step: at 32 requests, 31 x 2 tokens + 1 x 5 took
-    # 889 ms padded to 5 against 706 ms for 32 x 2, on this CPU; the cost model assumes a step's cost
-    # grows with its tokens). Each long chunk is a group of its own.
+    # another's four (adaptive K mixes lengths every step, and one long row padding the rest made the
+    # step cost far more than its tokens; the cost model assumes a step's cost grows with its tokens).
+    # Each long chunk is a group of its own.
     short: dict[int, list[int]] = {}
     large: list[list[int]] = []
     offsets = [0]

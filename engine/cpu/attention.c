@@ -169,10 +169,10 @@ static int usable_cpus(void) {
 // window: sliding window (0: none); max_ctx: the longest context (scratch size); out: [T, H, D].
 // Returns 0, or -1 when scratch memory could not be allocated (out is then undefined).
 //
-// Threads: the caller's alone unless the step has ~1 ms of attention work or more (long prefill
-// chunks); then short-lived pthreads take items from a shared counter. Not OpenMP: this runs on the
-// Python thread while MLX calls the small-M GEMM's OpenMP regions from its own, and a second OpenMP
-// pool would keep spinning workers on the cores the GEMM needs (measured: 5-token steps 40% slower).
+// Threads: the caller's alone unless the step has much attention work (long prefill chunks); then
+// short-lived pthreads take items from a shared counter. Not OpenMP: this runs on the Python thread
+// while MLX calls the small-M GEMM's OpenMP regions from its own, and a second OpenMP pool would keep
+// spinning workers on the cores the GEMM needs, slowing the short verification steps.
 int cpu_paged_attention(int T, int H, int Hkv, int D, const float *q, const float *kc, const float *vc, long S,
                         const int32_t *pos, const int32_t *tok_table, const int32_t *tables, int bs, int window,
                         float scale, int max_ctx, int max_threads, float *out) {

@@ -30,10 +30,10 @@ from engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# Built where it runs, so tuned for this CPU (small_gemm: ~10% faster at 3-5 rows than generic AVX-512).
+# Built where it runs, so tuned for this CPU (the small GEMM is faster than with generic AVX-512 flags).
 BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-# Hardening that costs nothing measurable in these kernels (no stack arrays in the hot loops, a few
-# external calls per kernel call); measured with tools/bench_small_gemm.py.
+# Hardening that costs these kernels nothing (no stack arrays in the hot loops, a few external calls
+# per kernel call); tools/bench_small_gemm.py shows it.
 HARDENING_FLAGS = ["-fstack-protector-strong", "-D_FORTIFY_SOURCE=2", "-Wl,-z,relro,-z,now"]
 # Vector extensions `-march=native` could enable from CPUID although the kernel (or a hypervisor) masks
 # them in /proc/cpuinfo: each one the CPU does not report is switched off (gcc/clang option names).

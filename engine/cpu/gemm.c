@@ -2,9 +2,9 @@
 //
 // Why: a decode step multiplies 1 row per request by every weight matrix, and draft verification
 // 1 + K rows. MKL switches from a weight-streaming GEMV path (M <= 3) to a packed GEMM path at M >= 4
-// that costs ~1.8x as much, so verifying 5 tokens cost far more than decoding 1. This kernel streams
-// each weight row once for up to GROUP_M rows of activations (prefill chunks too, where it runs at
-// ~190 GFLOP/s on two cores against MKL's 100-145); more rows run as several groups in turn.
+// that costs far more, so verifying 5 tokens cost far more than decoding 1. This kernel streams each
+// weight row once for up to GROUP_M rows of activations (prefill chunks too, where it also beats MKL);
+// more rows run as several groups in turn. Figures: docs/design-notes.md.
 //
 // Every output element is the same sequence of float operations whatever M, the grouping, the blocking
 // and the thread split are: a row computed in a batch of 5 or of 600 is bitwise the row computed alone.
@@ -25,11 +25,10 @@ enum { KERNEL_M = 8, GROUP_M = 256, TILE_N = 64 };
 // Weight-layout (NT) products run chunks of at most WIDE_M_MAX rows against WIDE_R weight rows at a
 // time: up to 24 accumulators in registers, 4 + 6 loads per k step for 24 FMAs. The block of WIDE_R
 // weight rows (9 KiB at K = 576) comes from memory for the first chunk and from L1 for the others, so
-// the weights stream once whatever M. (One 576 x 1536 product, weights streamed, 2 threads: 16 rows
-// 0.19 ms, 32 rows 0.34 ms, ~160 GFLOP/s, where 8-row chunks of one weight row each took 0.58 / 0.77.)
+// the weights stream once whatever M (8-row chunks of one weight row each were much slower).
 enum { WIDE_R = 4, WIDE_M_MAX = 6 };
 // An explicit prefetch 16 KiB ahead along the weights into the outer caches overlaps memory and
-// arithmetic (without it they added up: 5 rows cost 1.55x the 1-row time, with it 1.15x).
+// arithmetic; without it they add up, and a few rows cost much more than one.
 enum { PREFETCH_BYTES = 16384 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
@@ -119,8 +118,8 @@ static const kern_fn NN[KERNEL_M + 1] = {0, nn1, nn2, nn3, nn4, nn5, nn6, nn7, n
 // M rows (M <= WIDE_M_MAX) against weight rows j0..j1-1, WIDE_R at a time (the last few through
 // nt_block: the same arithmetic per output element). Named accumulators, and every A and weight vector
 // loaded once into a register: with an acc[4][6] array GCC kept part of it on the stack and stored it
-// back on every k step (3x slower), and it folded loads into the FMAs using them, loading each vector
-// up to 4 times (28 loads for 24 FMAs: 2x slower).
+// back on every k step, and it folded loads into the FMAs using them, loading each vector up to 4
+// times (28 loads for 24 FMAs); each made the kernel much slower.
 #define W_ROW(i, k, LOAD)                                                                               \
     if ((i) < M) {                                                                                      \
         __m512 a = LOAD(A + (size_t)(i) * lda + (k));                                                  \

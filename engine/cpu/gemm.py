@@ -1,14 +1,13 @@
-"""Build and load `small_gemm.c`, a small-M float32 GEMM placed in front of the optimized BLAS.
+"""Build and load `gemm.c`, a small-M float32 GEMM placed in front of the optimized BLAS.
 
 MLX's CPU backend calls `cblas_sgemm` for every float32 matmul. Decode and draft verification run
 matmuls with a few rows of activations (1 + K per verifying request, one per decoding request), where
-MKL's GEMM path costs ~1.8x its GEMV path from 4 rows on; the kernel here streams the weights once for
-up to 256 rows (prefill chunks included: ~190 GFLOP/s on two cores, MKL 100-145 there) and takes any
-row count, so that each row gets bitwise the result it would have alone whatever the step's size
-(see the C file). It is compiled once per
-source version with the system C compiler (`cc`, AVX-512F, OpenMP) into the model cache folder, and
-must be loaded before libmlx binds `cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off`
-turns it off.
+MKL switches from its GEMV path to a far dearer GEMM path from 4 rows on; the kernel here streams the
+weights once for up to 256 rows (prefill chunks included, where it also beats MKL) and takes any row
+count, so that each row gets bitwise the result it would have alone whatever the step's size (see the
+C file; figures: docs/design-notes.md). It is compiled once per source version with the system C
+compiler (`cc`, AVX-512F, OpenMP) into the model cache folder, and must be loaded before libmlx binds
+`cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off` turns it off.
 """
 
 from __future__ import annotations

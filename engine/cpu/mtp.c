@@ -1,11 +1,11 @@
 // The draft loop of a trained MTP assistant (engine/models/mtp_trained.py) for a few requests, on the CPU:
 // mtp_draft runs MTPProposer.draft's passes, cut-offs and early stop; mtp_pass is one pass.
 //
-// Why C: measured inside the engine, an assistant pass through MLX cost ~1.65 ms a step (0.31 ms of
-// Python building ~35 ops, ~1.35 ms evaluating them) for ~4.4M float32 weights streamed after the
-// target's 540 MB evicted them. Here the weights are the checkpoint's float16 values (half the bytes),
-// converted in registers, a pass is a handful of loops with no per-op dispatch, and no Python runs
-// between passes. One thread throughout (see gemv_f16).
+// Why C: through MLX, an assistant pass is dozens of small ops, each built in Python and dispatched
+// on its own, over a few million float32 weights that the target's step has evicted from the caches.
+// Here the weights are the checkpoint's float16 values (half the bytes), converted in registers, a
+// pass is a handful of loops with no per-op dispatch, and no Python runs between passes. One thread
+// throughout (see gemv_f16). Figures: docs/design-notes.md.
 //
 // Same arithmetic as the MLX module up to float rounding: pre_projection, RMSNorm, query projection,
 // RoPE (split halves), attention over the target's head-major paged KV (keys at positions < the query's),
@@ -27,8 +27,7 @@ typedef struct {
 } Assistant;
 
 // y[r, j] = dot(W[j, :], x[r, :]) for r < n, j < out. One thread: splitting the output rows between
-// this machine's two cores took twice as long with the weights cached (1.0 vs 0.5 ms a pass) and no
-// less from memory (1.6 vs 1.5 ms).
+// two cores was slower with the weights cached and no faster from memory.
 static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, float *y) {
     const int full = in & ~15;
     for (int j = 0; j < out; j++) {

@@ -84,9 +84,9 @@ def _dispatching_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.arr
 
 @partial(mx.compile, shapeless=True)
 def swiglu_pow2(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x with the exponential taken as a power of two. MLX's CPU `sigmoid` costs ~17 ns
-    per element here against ~5 for this (SmolLM2: 46k SiLU elements per token row per step, so ~0.55
-    ms per row; a step verifying 4 drafts has 5 rows). Agrees with mlx-lm's to ~5e-7 relative."""
+    """silu(gate) * x with the exponential taken as a power of two: MLX's CPU `sigmoid` costs several
+    times this per element, and every verified draft adds a row of SiLU to the step (figures:
+    docs/design-notes.md). Agrees with mlx-lm's to ~5e-7 relative."""
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
 
 

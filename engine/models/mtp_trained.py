@@ -90,7 +90,7 @@ class TrainedAssistant(nn.Module):
         Returns (logits over the head's rows [N, head_size], row i scoring token `vocab_ids[i]`; next
         hidden [N, backbone]). Not scattered to the full vocabulary: the argmax and its probability are
         the same over the head's rows (every other token has probability 0), and the scatter and the
-        softmax over 49152 entries were a third of a one-request draft pass."""
+        softmax over the full vocabulary were a large share of a one-request draft pass."""
         h = self.pre_projection(x)[:, None, :]  # [N, 1, d]
         out = self._block(h, lambda y: self.self_attn.paged(y, positions, caches[0]))[:, 0, :]
         return self.head(out), self.post_projection(out)

@@ -214,9 +214,9 @@ class AdaptiveController:
         heapq.heapify(heap)
         reach = [1.0] * len(candidates)
         # Draft tokens in order of value; keep the prefix with the best rate, not the one where the
-        # next token first fails to pay: step time is not convex in tokens (here the first draft of a
-        # lone request adds ~30 ms to a 55 ms step, the next three ~10 ms together), so a token that
-        # does not pay alone can open the way to ones that do.
+        # next token first fails to pay: step time is not convex in tokens (a lone request's first draft
+        # costs far more than the ones after it), so a token that does not pay alone can open the way
+        # to ones that do.
         order: list[int] = []
         taken = [0] * len(candidates)
         best_gain, best_cost, best_len = gain, cost, 0
@@ -258,9 +258,9 @@ class AdaptiveController:
         hopeless = self._hopeless(gain, cost, first, more)
         # With gate_probes, a request that has been verified before is re-probed only while the method's
         # probes are accepted often enough to pay for one at this load (under load an assistant's probes
-        # were accepted 1 time in 5 where 1 in 2 pays); a request never verified is probed whenever a sure
-        # draft could pay. (For ngram the same gate cost 1-4% at 16-32 requests: its probes of requests
-        # with a match find copied spans.)
+        # mostly fail and cost more than they win); a request never verified is probed whenever a sure
+        # draft could pay. (Not for ngram: its probes of requests with a match find copied spans, and the
+        # gate lost it throughput under load.)
         acc = self.acceptance
         vain = (self.gate_probes and measured and acc.probes_seen >= self.PROBE_MIN_SEEN
                 and acc.probe_yield * cost <= gain * (first + self.draft_cost_per_token))

@@ -157,9 +157,10 @@ class MTPConfig(_Base):
     num_speculative_tokens: int = Field(1, ge=1, le=16)
     # Ours (like suffix_decoding_min_token_prob): a draft stops at the first token the assistant gives
     # less probability than this, so unlikely drafts cost no verification. 0: draft every token (as
-    # vllm-metal). Raises acceptance, but on CPU a single stream was faster at 0 (README, MTP). A list
+    # vllm-metal). Fewer, surer drafts: acceptance rises, drafted tokens fall (docs/mtp.md). A list
     # gives one cut-off per draft position, the last repeating: [0.35, 0.15] keeps first drafts sure
-    # (position-0 acceptance) and lets surer-than-0.15 continuations ride along (they pay at ~15%).
+    # (position-0 acceptance) and lets surer-than-0.15 continuations ride along (a further draft costs
+    # less to verify than a request's first, so it pays at a lower acceptance).
     draft_min_token_prob: _Prob | Annotated[list[_Prob], Field(min_length=1)] = 0.0
     # auto: the assistant's passes in C where they apply (engine/spec/mtp_cpu.py), else MLX; mlx: always
     # the MLX module, the reference the C loop is tested against.

@@ -88,21 +88,20 @@ class DraftPriceFit:
     drafting + c2 * change in draft tokens. A request's first draft token costs c1 + c2, each further
     one c2.
 
-    Why changes between neighbouring steps, not the step times themselves: this machine drifts by 20-25%
-    within seconds (8 requests, no drafts: 160 ms, then 270 ms four seconds later), and the controller's
-    own choices follow its prices, so drafts rose while the machine sped up. A fit of levels read that
-    as drafts that cost nothing (11.6 ms to 0.0 within ten steps where a draft costs ~12 ms) and auto
-    drafted 2-3 tokens a step at acceptance 0.2. A difference of two steps a quarter second apart cancels
-    the drift; pairs whose drafts did not change say nothing about them and are left out, so a steady
-    stretch keeps its prices instead of forgetting them.
+    Why changes between neighbouring steps, not the step times themselves: a shared machine's speed
+    drifts within seconds by more than a draft costs, and the controller's own choices follow its
+    prices, so drafts rose while the machine sped up. A fit of levels read that as drafts that cost
+    nothing, and auto drafted at an acceptance that could not pay. A difference of two steps a quarter
+    second apart cancels the drift; pairs whose drafts did not change say nothing about them and are
+    left out, so a steady stretch keeps its prices instead of forgetting them.
 
     Why two draft terms: a request that drafts turns its one-token row into a multi-token query, and
-    that costs more than the tokens do (16 requests here, static K = 0/1/2/4: 441/552/574/662 ms, so ~7
-    ms for a request's first draft token and ~2 ms for each one after); one price per token overprices
-    deep drafts and underprices shallow ones. Why requests as a term: a bucket above 8 spans many
-    request counts (17-32), and a request that finishes changes the step by more than its drafts did.
-    While the drafting-request count has not varied apart from the draft count (every drafting request
-    took the same K), the fit keeps one price per token (c1 = 0)."""
+    that costs more than the tokens do: a request's first draft token costs several times each one
+    after it, so one price per token overprices deep drafts and underprices shallow ones. Why requests
+    as a term: a bucket above 8 spans many request counts (17-32), and a request that finishes changes
+    the step by more than its drafts did. While the drafting-request count has not varied apart from
+    the draft count (every drafting request took the same K), the fit keeps one price per token
+    (c1 = 0)."""
 
     def __init__(self, decay: float = 0.97, min_spread: float = 16.0,
                  min_request_spread: float = 8.0, split_only: bool = False) -> None:
@@ -111,8 +110,8 @@ class DraftPriceFit:
         self.split_only = split_only
         self.decay = decay  # per informative pair: ~33 pairs of memory
         # Weighted sum of squares of draft-count changes (about their mean) needed to trust c2: the price's
-        # error is the pairs' noise over its square root (~4 ms / 4 at 8 requests here). A sum, not a
-        # variance: drafts move by 1-2 a step at a few requests, and more pairs of those do make a price.
+        # error is the pairs' noise over its square root. A sum, not a variance: drafts move by 1-2 a
+        # step at a few requests, and more pairs of those do make a price.
         self.min_spread = min_spread
         # ... and of drafting-request changes not explained by draft-count changes, to trust c1.
         self.min_request_spread = min_request_spread
@@ -174,8 +173,8 @@ class DraftPriceFit:
             # A first draft cheaper than the next ones, or a further one that costs nothing, is noise.
         if self._split is not None:
             # Steady load (every step ~the same requests drafting, only the draft count moving) cannot
-            # tell the two prices apart: keep the last split rather than one mean price, which prices
-            # further drafts at ~6 ms where they cost ~4 (32 requests) and stops them at K ~3.
+            # tell the two prices apart: keep the last split rather than one mean price, which
+            # overprices further drafts and stops K short.
             return self._split
         coef = self._lsq((0, 1, 3))
         # A negative price is noise in a few steps, not free drafts.
@@ -214,11 +213,11 @@ class StepCostModel:
     learned from the engine's own steps.
 
     Tokens alone do not say what a step costs: every request adds its own attention over its context
-    and per-request work, so 3 requests x 1 token cost far more than 1 request x 3 tokens (92 vs 54 ms
-    here). Drafting adds tokens to a step whose request count is fixed, so the marginal cost of a draft
-    must come from steps with that many requests. One curve per request-count bucket (exact up to 8,
-    then powers of two), plus a pooled curve over all steps that stands in while a bucket is thin: with
-    one known point the bucket is the pooled curve's shape shifted through it."""
+    and per-request work, so 3 requests x 1 token cost far more than 1 request x 3 tokens. Drafting
+    adds tokens to a step whose request count is fixed, so the marginal cost of a draft must come from
+    steps with that many requests. One curve per request-count bucket (exact up to 8, then powers of
+    two), plus a pooled curve over all steps that stands in while a bucket is thin: with one known
+    point the bucket is the pooled curve's shape shifted through it."""
 
     def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2) -> None:
         self._prior, self._ema = prior, ema
@@ -295,10 +294,9 @@ class StepCostModel:
         """True where nothing measured prices a draft at this request count: no settled fit here or within
         a factor of two, and no token curve that varies drafts alone (a request count of 8 or fewer with
         two points). There the curve's slope is a guess, and a bad one either way: above 8 requests, or
-        with one point (the pooled curve's shape), the token axis mixes requests with drafts and read
-        12-26 ms per draft at 17-32 requests after a one-request warm-up (0.01 ms in another run) where
-        one costs ~6 ms, and auto drafted almost nothing through a c = 32 wave's ramp while static K = 4
-        more than doubled its tokens per step."""
+        with one point (the pooled curve's shape), the token axis mixes requests with drafts and priced
+        a draft at several times, or a tiny fraction of, its cost; auto then drafted almost nothing
+        through a c = 32 wave's ramp where static K = 4 more than doubled its tokens per step."""
         if not num_rows or self._settled_prices(num_rows) is not None:
             return False
         b = _bucket(num_rows)
@@ -309,14 +307,14 @@ class StepCostModel:
         """The fitted (first, further) draft prices at this request count; for its first steps (a new load
         level), those of the nearest bucket within a factor of two that has settled prices. Why borrow: at
         a new level the token curve's slope, or a fit on two or three steps of one K mix, prices every
-        draft like a request's first (14 ms at 32 requests where further drafts cost 4): auto drafted 1-2
-        tokens per request there where static K = 4 drafted four, in a wave of ~60 decode steps."""
+        draft like a request's first, several times what further drafts cost: auto then drafted far
+        less than static K = 4 through a whole wave."""
         if not num_rows:
             return None
         if num_rows == 1:
-            # One request: its token curve prices each K exactly (1 + K tokens), the first draft apart
-            # from the next ones (~26 ms, then ~3 ms each here); one price per token from a fit that
-            # cannot tell them apart (drafting moves with the drafts) would stop K at 1.
+            # One request: its token curve prices each K exactly (1 + K tokens), the dear first draft
+            # apart from the cheap next ones; one price per token from a fit that cannot tell them apart
+            # (drafting moves with the drafts) would stop K at 1.
             fit = self._draft_fit.get(1)
             return fit.prices() if fit is not None else None
         settled = self._settled_prices(num_rows)

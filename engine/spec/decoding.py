@@ -186,6 +186,6 @@ class SpecDecoding:
 def _decoding_requests(running: list[Request]) -> int:
     """Requests the next step decodes (sampled ones included): the step whose rate drafting must
     beat. Prefill chunks in the same step are left out: their time is spent whatever the drafts,
-    and counted in the rate they made a mixed step look slow (1 token in 2 s), so that a draft
-    model's catch-up prefill seemed to pay and a self-draft drafted at every new wave."""
+    and counted in the rate they made a mixed step look slow per token, so that a draft model's
+    catch-up prefill seemed to pay and a self-draft drafted at every new wave."""
     return sum(1 for req in running if req.num_tokens - req.num_computed_tokens <= 1)

@@ -1,10 +1,10 @@
 """The trained MTP assistant's draft loop in C on x86-64 CPUs (engine/cpu/mtp.c), for `MTPProposer`.
 
-Why: measured in the engine (SmolLM2-135M, the committed assistant), an MLX pass cost ~1.65 ms (0.31 ms
-building its ~35 ops in Python, ~1.35 ms evaluating them); the C loop drafts in ~1.5 ms per step in all
-(README, *MTP assistants*). Used where the assistant is a trained one (`specserve_mtp`) reading a float32
-head-major KV cache and a float32 embedding table on an AVX-512 CPU (no sliding window, split-halves
-RoPE); `"draft_backend": "mlx"` in the speculative config keeps the MLX module, which stays the reference:
+Why: through MLX a pass is dozens of small ops, each built in Python and dispatched on its own; the C
+loop runs a whole step's passes with no per-op dispatch (docs/mtp.md; figures: docs/design-notes.md).
+Used where the assistant is a trained one (`specserve_mtp`) reading a float32 head-major KV cache and a
+float32 embedding table on an AVX-512 CPU (no sliding window, split-halves RoPE); `"draft_backend":
+"mlx"` in the speculative config keeps the MLX module, which stays the reference:
 tests/spec/test_mtp_smollm2.py checks that both draft the same tokens.
 """
 

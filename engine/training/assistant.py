@@ -50,25 +50,20 @@ class TrainSettings:
     temperature: float = 0.8
     head_size: int = 4096
     # MLP width of the assistant's layer (None: a sixth of the target's, 256 for SmolLM2-135M). Serving
-    # streams every assistant weight from memory on each step (~2.3 ms in the engine for the 26.6 MB
-    # float32 assistant at the target's width, 1536), and narrower learned as well from this much data:
-    # cached features of the 2026-11-25 run, 1000 steps, held-out answers, top-1 / agreement at cut-off
-    # 0.3 (share drafted): 1536 0.415 / 0.621 (0.486), 768 0.418 / 0.617 (0.496), 256 0.428 / 0.634 (0.489);
-    # the full 2000-step runs: held-out answer top-1 0.48 (1536) and 0.4825 (256), the same served
-    # acceptance (results/mtp/smollm2_mtp-2511i-ab40.json).
+    # streams every assistant weight from memory on each step, and a narrower MLP learned as well from
+    # this much data as the target's full width (figures: docs/design-notes.md).
     intermediate_size: int | None = None
-    steps: int = 2000  # held-out top-1 0.6315 at 2000 vs 0.6317 at 2500 (2026-11-23 run)
+    steps: int = 2000  # held-out top-1 stops improving by here
     batch_size: int = 4
     lr: float = 5e-4
     save_every: int = 50
     seed: int = 0
-    max_prompts: int | None = 1536  # ~190k tokens of text: about 13 minutes on 2 CPU cores (2026-11-25)
+    max_prompts: int | None = 1536  # ~190k tokens of text (time it takes: docs/design-notes.md)
     holdout: int = 0  # the last N prompts are never trained on (benchmark prompts)
     eval_every: int = 250  # steps between top-1 measurements on the held-out sequences
     eval_fraction: float = 0.04  # generated sequences kept out of training to measure top-1 on
     # Train on answer positions only (held-out top-1 is always measured on answers: the assistant drafts
-    # only while the target generates). Measured 2026-11-23: no gain (benchmark position-0 acceptance
-    # 0.43 vs 0.45), so opt-in.
+    # only while the target generates). It did not raise acceptance, so it is opt-in.
     answer_only: bool = False
 
 
@@ -265,10 +260,8 @@ def _loss(net: TrainedAssistant, x: mx.array, k: mx.array, v: mx.array, logp: mx
     """Distillation: cross-entropy against the target's distribution (more signal per token than its
     argmax alone, which matters with a few hundred thousand tokens) on the first draft, plus w2 x the same
     on the second (post_projection fed back). Also returns top-1 agreement with the target's argmax.
-    (An EAGLE-style regression of post_projection onto the target's hidden state, with the head frozen,
-    was tried and measured no better on held-out prompts: 0.355 vs 0.371 top-1 at 600 steps. So was an
-    added cross-entropy on the argmax, 2026-11-25: held-out top-1 0.624 vs 0.628 at 2000 steps, benchmark
-    position-0 acceptance 0.43 both.)"""
+    (Tried and no better on held-out prompts: an EAGLE-style regression of post_projection onto the
+    target's hidden state with the head frozen, and an added cross-entropy on the argmax.)"""
 
     def soft_ce(student: mx.array, teacher: mx.array, mask: mx.array) -> mx.array:
         ls = student - mx.logsumexp(student, axis=-1, keepdims=True)
