@@ -10,7 +10,8 @@ sends its request kind in a loop, sized from the server's limits:
 - tokenize_chat: /tokenize, max_model_len messages holding --max-prompt-chars characters (template render)
 - detokenize:    /detokenize, max_model_len token ids
 - chat:          /v1/chat/completions, one message that fills the context, max_tokens 1 (engine prefill)
-- batch_echo:    /v1/completions, 256 prompts of max_model_len - 1 token ids, echo, streamed; the client
+- batch_echo:    /v1/completions, 256 prompts of up to max_model_len - 1 token ids (as many as the body
+                 limit lets through), echo, streamed; the client
                  leaves after the first event (the batch would otherwise prefill for minutes). Its JSON
                  body is decoded on the event loop before any limit can look at it.
 
@@ -97,6 +98,7 @@ def client_plan(serving: Any) -> dict[str, Any]:
         tokenizer.apply_chat_template([empty], tokenize=False))
     per_message = max(1, (serving.max_prompt_chars - 64) // max_len - overhead)
     return {"max_prompt_chars": serving.max_prompt_chars, "max_model_len": max_len,
+            "max_body": serving.settings.max_request_body_size,
             "longest_token_chars": longest_token(tokenizer),
             "vocab_size": serving.client.core.loaded.vocab_size, "max_choices": MAX_CHOICES,
             "chars_per_message": per_message, "fill_piece": piece, "fill_count": count}
@@ -130,7 +132,9 @@ def _body(kind: str, plan: dict[str, Any], rng: random.Random) -> tuple[str, byt
         return "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": content}],
                                                    "max_tokens": 1}).encode()
     if kind == "batch_echo":
-        prompts = [[rng.randrange(vocab) for _ in range(max_len - 1)] for _ in range(plan["max_choices"])]
+        # As long as the body limit lets them be: a token id takes at most 7 bytes of JSON ("49151, ").
+        per_prompt = min(max_len - 1, (plan["max_body"] - 1024) // (7 * plan["max_choices"]))
+        prompts = [[rng.randrange(vocab) for _ in range(per_prompt)] for _ in range(plan["max_choices"])]
         return "/v1/completions", json.dumps({"prompt": prompts, "echo": True, "max_tokens": 1,
                                               "stream": True}).encode()
     raise ValueError(kind)
@@ -250,6 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="probe the idle server first, for the machine's own latency")
     ap.add_argument("--max-model-len", type=int, default=None, help="server setting (default: the server's)")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="server setting")
+    ap.add_argument("--max-request-body-size", default=None, help="server setting (default: the server's)")
     ap.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = ap.parse_args(argv)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -265,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "disable_log_requests": True, "uvicorn_log_level": "warning"}
     if args.max_model_len is not None:
         overrides["max_model_len"] = args.max_model_len
+    if args.max_request_body_size is not None:
+        overrides["max_request_body_size"] = args.max_request_body_size
     print("starting the server (default model) ...", file=sys.stderr, flush=True)
     with running_server(overrides) as (url, serving):
         plan = client_plan(serving)

@@ -73,7 +73,7 @@ def select_attention(backend: AttentionBackend, *, metal_available: bool | None 
         failures = _self_test_failures("cpu") if cpu_kernel is None else cpu_attention.self_test(cpu_kernel)
         if failures:
             return _failed_self_test("cpu", backend, failures)
-        return cpu_attention.cpu_paged_attention, "cpu (engine/cpu_attention.c over the paged cache)"
+        return cpu_attention.cpu_paged_attention, "cpu (engine/cpu/attention.c over the paged cache)"
     if backend == "cpu":
         raise ValueError(f"--attention-backend cpu cannot run here: {why}; use auto or reference")
     return paged_attention_reference, f"reference (MLX ops: KV gather + attention; C kernel: {why})"
