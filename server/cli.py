@@ -45,6 +45,7 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--kv-cache-memory", "kv_cache_memory", {"metavar": "SIZE"}),
     ("--enable-prefix-caching", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
     ("--attention-backend", "attention_backend", {"choices": ["auto", "metal", "cpu", "reference"]}),
+    ("--kv-layout", "kv_layout", {"choices": ["auto", "block", "head"]}),
     ("--speculative-config", "speculative_config", {"metavar": "JSON"}),
     ("--speculative-disable-by-batch-size", "speculative_disable_by_batch_size", {"type": int}),
     ("--per-request-spec-decode-metrics", "per_request_spec_decode_metrics", {"choices": ["off", "summary"]}),
@@ -385,7 +386,11 @@ def prepare(model: str | None, dtype: str, revision: str | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    platform.setup()  # before anything imports mlx
+    try:
+        platform.setup()  # before anything imports mlx
+    except (ValueError, RuntimeError) as e:  # a bad SPECSERVE_* value
+        print(f"specserve: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "prepare":

@@ -245,6 +245,18 @@ def test_cli_rejects_bad_speculative_config() -> None:
     assert bad.returncode == 2 and "num_speculative_tokens" in bad.stdout + bad.stderr
 
 
+def test_bad_platform_variable_is_a_clear_error() -> None:
+    env = {**os.environ, "SPECSERVE_SMALL_GEMM": "maybe"}
+    bad = subprocess.run([SPECSERVE, "serve", "--help"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "SPECSERVE_SMALL_GEMM='maybe': expected one of on, off" in bad.stderr
+
+
+def test_kv_layout_flag_reaches_the_engine_config() -> None:
+    assert parse().engine_config_kwargs()["kv_layout"] == "auto"
+    assert parse("--kv-layout", "block").engine_config_kwargs()["kv_layout"] == "block"
+
+
 def test_prepare_prints_the_model_folder() -> None:
     from engine.models.loader import default_model_folder
 
