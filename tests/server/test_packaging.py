@@ -117,9 +117,9 @@ def test_wheel_in_a_fresh_venv_serves_the_shipped_mtp_config(tmp_path: Path,
 
     where = json.loads(_run(python, "-c", (
         "import json, engine, server, loadtests, metal_kernels, specserve_configs, importlib.util\n"
-        "from loadtests.workloads import load_workload\n"
+        "from loadtests.datasets import load_dataset\n"
         "print(json.dumps({'modules': [m.__file__ for m in (engine, server, loadtests, metal_kernels, "
-        "specserve_configs)], 'workloads': {w: len(load_workload(w)) for w in ('chat', 'copy', 'long')}, "
+        "specserve_configs)], 'workloads': {w: len(load_dataset(w)) for w in ('chat', 'copy', 'long')}, "
         "'tools': importlib.util.find_spec('tools') is not None}))"), cwd=work, env=env))
     site = venv.resolve()
     assert all(Path(f).resolve().is_relative_to(site) for f in where["modules"]), where["modules"]
