@@ -75,12 +75,16 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    callback: OutputCallback, stop_matcher: StopMatcher | None = None) -> None:
+                    callback: OutputCallback, stop_matcher: StopMatcher | None = None,
+                    checked: bool = False) -> None:
         """Raises ValueError for a request the engine cannot take (before it is queued). `stop_matcher`:
-        see `EngineCore.add_request` (build it on another thread: this one runs the engine)."""
+        see `EngineCore.add_request` (build it on another thread: this one runs the engine). `checked`:
+        the caller ran `check_request` already, so it is not repeated here (on a server's event loop it
+        walks every prompt token); the engine thread checks again in any case."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        self.core.check_request(prompt_token_ids, params)
+        if not checked:
+            self.core.check_request(prompt_token_ids, params)
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, callback, stop_matcher))
 
     def abort_request(self, request_id: str) -> None:

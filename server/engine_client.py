@@ -41,6 +41,7 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_matcher: StopMatcher | None = None  # built off the event loop and the engine thread
+    checked: bool = False  # validated with the engine's check already (off the event loop)
 
 
 class RequestStream:
@@ -61,7 +62,7 @@ class RequestStream:
         try:
             for i, (rid, sub) in enumerate(zip(self.engine_ids, subs, strict=True)):
                 client._loop.add_request(rid, sub.prompt_token_ids, sub.params, self._callback(i),
-                                         sub.stop_matcher)
+                                         sub.stop_matcher, checked=sub.checked)
                 self._pending.add(rid)
                 client._unfinished.add(rid)
         except BaseException:

@@ -331,7 +331,7 @@ class OpenAIServing:
                     # distinct but reproducible choices, as vLLM derives child seeds (kept in 64 bits)
                     seed = params.seed + j
                     p = dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
-                subs.append(SubRequest(ids, p))
+                subs.append(SubRequest(ids, p, checked=True))
         return subs
 
     async def submit(self, request_id: str, subs: list[SubRequest]) -> RequestStream:

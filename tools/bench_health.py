@@ -2,8 +2,9 @@
 `python -m tools.bench_health [--seconds 30] [--clients 8] [--out FILE.json]`.
 
 The server (default model; default settings but a 1 GiB KV cache) runs in this process under uvicorn,
-as `specserve serve` runs it. The clients and a /health prober (one GET every --interval seconds) run in
-a child process, so their own Python work does not compete with the server's for its GIL. Each client
+as `specserve serve` runs it. The clients run in one child process and a /health prober (one GET every
+--interval seconds) in another, so that neither the server's GIL nor the senders' own work delays a
+probe. Each client
 sends its request kind in a loop, sized from the server's limits:
 
 - tokenize_text: /tokenize, one prompt of --max-prompt-chars characters (tokenizer, GIL released)
@@ -165,37 +166,39 @@ async def _client(url: str, kind: str, plan: dict[str, Any], seed: int, stop: fl
             out.append({"kind": kind, "status": status, "seconds": time.monotonic() - t0})
 
 
-async def _prober(url: str, interval: float, stop: float, out: list[float]) -> None:
+def run_prober(url: str, interval: float, start: float, stop: float) -> dict[str, list[float]]:
+    """A child process of its own, so that the senders' work (building and streaming bodies of many
+    MiB) never delays a probe: /health alone until `start` (the machine's own noise), then beside the
+    senders until `stop` (wall-clock times, shared with the senders' process)."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        while time.monotonic() < stop:
+    out: dict[str, list[float]] = {"idle_health_s": [], "health_s": []}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while (now := time.time()) < stop:
             t0 = time.monotonic()
-            resp = await http.get("/health")
+            resp = http.get("/health")
             if resp.status_code == 200:
-                out.append(time.monotonic() - t0)
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+                out["idle_health_s" if now < start else "health_s"].append(time.monotonic() - t0)
+            time.sleep(max(0.0, interval - (time.monotonic() - t0)))
+    return out
 
 
-def run_clients(url: str, plan: dict[str, Any], kinds: list[str], clients: int, seconds: float,
-                interval: float, idle_seconds: float) -> dict[str, Any]:
-    """The child process: the prober alone for `idle_seconds` (the machine's own noise), then `clients`
-    senders (kinds round-robin) and the prober for `seconds`."""
-    async def main() -> dict[str, Any]:
-        idle: list[float] = []
-        await _prober(url, interval, time.monotonic() + idle_seconds, idle)
-        stop = time.monotonic() + seconds
+def run_clients(url: str, plan: dict[str, Any], kinds: list[str], clients: int, start: float,
+                stop: float) -> list[dict[str, Any]]:
+    """A child process: `clients` senders (kinds round-robin) from `start` to `stop` (wall clock)."""
+    async def main() -> list[dict[str, Any]]:
+        await asyncio.sleep(max(0.0, start - time.time()))
         requests: list[dict[str, Any]] = []
-        health: list[float] = []
-        tasks = [asyncio.create_task(_client(url, kinds[i % len(kinds)], plan, i, stop, requests))
+        mono_stop = time.monotonic() + (stop - time.time())
+        tasks = [asyncio.create_task(_client(url, kinds[i % len(kinds)], plan, i, mono_stop, requests))
                  for i in range(clients)]
-        await _prober(url, interval, stop, health)
+        await asyncio.sleep(max(0.0, stop - time.time()))
         # Requests still running at the end are cancelled (their connections close; the server aborts them).
         await asyncio.wait(tasks, timeout=5)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        return {"requests": requests, "health_s": health, "idle_health_s": idle}
+        return requests
 
     return asyncio.run(main())
 
@@ -279,9 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.clients} clients ({', '.join(args.kinds)}) for {args.seconds:g} s against {url}",
               file=sys.stderr, flush=True)
         spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            raw = pool.submit(run_clients, url, plan, args.kinds, args.clients, args.seconds,
-                              args.interval, args.idle_seconds).result()
+        with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as pool:
+            start = time.time() + 5 + args.idle_seconds  # after both processes have started
+            stop = start + args.seconds
+            probes = pool.submit(run_prober, url, args.interval, start, stop)
+            senders = pool.submit(run_clients, url, plan, args.kinds, args.clients, start, stop)
+            raw = {**probes.result(), "requests": senders.result()}
     summary = summarize(raw, args.kinds)
     print_table(summary)
     if args.out is not None:
