@@ -124,7 +124,7 @@ class ServerSettings(BaseModel):
     step_trace: str | None = Field(
         None, description="append one JSON line per engine step to FILE (step time, requests, tokens, "
                           "drafts, the K chosen per request, the adaptive cost model): `python -m "
-                          "tools.step_trace FILE` summarises it")
+                          "loadtests.traces FILE` summarises it")
 
     @field_validator("served_model_name", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""`--step-trace FILE`: one JSON line per engine step, consistent with /metrics; tools.step_trace."""
+"""`--step-trace FILE`: one JSON line per engine step, consistent with /metrics; loadtests.traces."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from loadtests import traces as step_trace
 from server.settings import ServerSettings
 from tests.server.test_server_metrics import MODEL, scrape, value, wait_for
-from tools import step_trace
 
 COPY = ("Repeat this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
         "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu.")
@@ -80,7 +80,7 @@ def test_summary_counts_step_shapes_and_skips_torn_lines(tmp_path: Path) -> None
 def test_replay_prices_recorded_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A trace of 8 requests on a machine that speeds up while drafts rise, at 10 ms per draft, with a
     # prefill step in the middle: the replayed prices are the drafts' cost, not the drift.
-    from tools import replay_prices
+    from loadtests import replay_prices
 
     recs, t = [], 0.0
     for i, d in enumerate([0, 2, 1, 3, 2, 4, 3, 5, 4, 6, 5, 7, 6, 8] * 3):

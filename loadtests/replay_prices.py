@@ -1,7 +1,7 @@
 """Replay recorded steps through the adaptive controller's cost model: what it would have priced a draft
 at, step by step, on exactly the steps a server ran.
 
-    python -m tools.replay_prices results/adaptive-2411b/mtp/logs/mtp_auto.steps.jsonl [--rows 8] [--tree DIR]
+    python -m loadtests.replay_prices results/tmp/trace.jsonl [--rows 8] [--tree DIR]
 
 Input: `specserve serve --step-trace FILE` traces. Every decode/verify step is fed to `StepCostModel`
 (prefill-carrying steps interrupt the step pairs, as in the engine) and, after each step of the request
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from types import ModuleType
 
-from tools.step_trace import is_decode, load
+from loadtests.traces import is_decode, load
 
 
 def cost_module(tree: str | None) -> ModuleType:

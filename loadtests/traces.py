@@ -1,6 +1,6 @@
 """Summarise `specserve serve --step-trace FILE` traces: where each server's time went, by step shape.
 
-    python -m tools.step_trace results/tmp/trace-*.jsonl [--json OUT.json]
+    python -m loadtests.traces results/tmp/trace-*.jsonl [--json OUT.json]
 
 Per file: steps and seconds in prefill-carrying steps and in decode/verify steps, and per request count
 the decode steps without drafts and with drafts (mean seconds, mean drafts, seconds per draft). Two
