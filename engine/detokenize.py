@@ -104,7 +104,7 @@ class StopMatcherCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._items: OrderedDict[tuple[str, ...], StopMatcher] = OrderedDict()
+        self._items: OrderedDict[tuple[str, ...], tuple[StopMatcher, int]] = OrderedDict()  # (matcher, cost)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -112,21 +112,20 @@ class StopMatcherCache:
 
     def get(self, stops: tuple[str, ...]) -> StopMatcher:
         with self._lock:
-            matcher = self._items.get(stops)
-            if matcher is not None:
+            item = self._items.get(stops)
+            if item is not None:
                 self._items.move_to_end(stops)
-                return matcher
+                return item[0]
         matcher = StopMatcher.build(stops)  # outside the lock: builds may run in parallel
         cost = matcher.nbytes + sum(map(sys.getsizeof, stops))
         if cost > self.max_bytes:
             return matcher
         with self._lock:
             if stops not in self._items:
-                self._items[stops] = matcher
+                self._items[stops] = (matcher, cost)
                 self.nbytes += cost
                 while self.nbytes > self.max_bytes:
-                    old_stops, old = self._items.popitem(last=False)
-                    self.nbytes -= old.nbytes + sum(map(sys.getsizeof, old_stops))
+                    self.nbytes -= self._items.popitem(last=False)[1][1]
         return matcher
 
 

@@ -155,19 +155,16 @@ def build_library(source: Path, name: str, flags: list[str], out_dir: Path | Non
         why = unsafe_reason(out, root)
         if why is None:
             return out
-        logger.warning("not loading the cached %s: %s; building it in a private folder instead", out, why)
-        out = _fallback_dir() / out.name
-        if out.exists():
-            return out
+        refused = f"not loading the cached {out}"
     else:
         _private_dirs(root, folder)
         why = unsafe_reason(folder, root)
-        if why is not None:
-            logger.warning("not building %s in %s: %s; building it in a private folder instead", name,
-                           folder, why)
-            out = _fallback_dir() / out.name
-            if out.exists():
-                return out
+        refused = f"not building {name} in {folder}"
+    if why is not None:
+        logger.warning("%s: %s; building it in a private folder instead", refused, why)
+        out = _fallback_dir() / out.name
+        if out.exists():
+            return out
     # Build to a private name and rename: processes starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
