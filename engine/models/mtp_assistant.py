@@ -25,6 +25,7 @@ from engine.attention.types import AttentionMetadata
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.loader import LoadedModel
+from engine.models.mtp_trained import check_config, id_out_of_range, load_trained
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_mtp")
 TARGET_TYPES = ("gemma4", "gemma4_text")
@@ -144,9 +145,9 @@ def _token_ordering(order: mx.array | None, net: Gemma4Assistant) -> mx.array:
     if tuple(order.shape) != (vocab,) or not mx.issubdtype(order.dtype, mx.integer):
         raise _fail(f"token_ordering: shape {tuple(order.shape)} {order.dtype}, expected ({vocab},) "
                     f"integer ids (vocab_size {vocab})")
-    lo, hi = int(order.min().item()), int(order.max().item())
-    if lo < 0 or hi >= vocab:
-        raise _fail(f"token_ordering: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+    bad = id_out_of_range(order, vocab)
+    if bad is not None:
+        raise _fail(f"token_ordering: token id {bad} is outside the vocabulary [0, {vocab})")
     if n_c <= 0 or vocab % n_c or not 0 < top_k <= n_c:
         raise _fail(f"num_centroids {n_c} must divide vocab_size {vocab} and be at least "
                     f"centroid_intermediate_top_k {top_k}")
@@ -253,7 +254,6 @@ def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
 def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssistant:
     """A `specserve train-assistant` checkpoint: checked against the target it was trained on. The C draft
     loop (engine/cpu/mtp.c) indexes the target's KV cache and embedding with these sizes and ids."""
-    from engine.models.mtp_trained import check_config, load_trained
 
     targs = target.model.args
     tmt = target.config.get("model_type")

@@ -145,6 +145,14 @@ def check_config(config: dict) -> None:
         raise ValueError(f"head_size {config['head_size']} is larger than vocab_size {config['vocab_size']}")
 
 
+def id_out_of_range(ids: mx.array, size: int) -> int | None:
+    """An id of `ids` outside [0, size), or None (C code indexes tables of `size` rows with them)."""
+    if not ids.size:
+        return None
+    lo, hi = int(ids.min().item()), int(ids.max().item())
+    return lo if lo < 0 else hi if hi >= size else None
+
+
 def check_weights(net: TrainedAssistant, weights: dict[str, mx.array], source: str) -> None:
     """The checkpoint holds exactly the tensors `net`'s config implies, each with its shape and a float
     dtype (`vocab_ids`: integer ids in [0, vocab_size)); raises ValueError naming the tensor."""
@@ -165,10 +173,9 @@ def check_weights(net: TrainedAssistant, weights: dict[str, mx.array], source: s
         if (k == "vocab_ids") != integer or not (integer or mx.issubdtype(got.dtype, mx.floating)):
             kind = "integer" if k == "vocab_ids" else "floating-point"
             raise ValueError(f"weight {k}: dtype {got.dtype} in {source}, not {kind}")
-    ids, vocab = weights["vocab_ids"], int(net.config["vocab_size"])
-    lo, hi = (int(x.item()) for x in (ids.min(), ids.max())) if ids.size else (0, 0)
-    if lo < 0 or hi >= vocab:
-        bad = lo if lo < 0 else hi
+    vocab = int(net.config["vocab_size"])
+    bad = id_out_of_range(weights["vocab_ids"], vocab)
+    if bad is not None:
         raise ValueError(f"vocab_ids: token id {bad} in {source} is outside the vocabulary [0, {vocab}) "
                          f"(vocab_size {vocab})")
 
