@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+import pydantic_core
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import engine
@@ -134,10 +137,36 @@ async def _log_stats(client: EngineClient, interval: float) -> None:
             logger.info(spec_line)
 
 
+class _JSONRequest(Request):
+    """Bodies parsed by pydantic-core's JSON reader: about 3x faster than `json.loads` on long id lists
+    (a 14 MiB body of token ids: ~96 vs ~283 ms), time during which the event loop serves nobody."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = pydantic_core.from_json(body)
+            except ValueError:
+                # It refuses what `json.loads` takes (escaped lone surrogates, which then get a 400 that
+                # names the field) and words errors less precisely: the slow reader has the last word.
+                self._json = json.loads(body)
+        return self._json
+
+
+class _Route(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return route
+
+
 # Endpoints are module-level and read the engine from `request.app.state`: FastAPI memoizes facts about
 # endpoint callables in process-wide caches, so endpoints that closed over an app's engine client kept
 # every app's engine and KV cache alive after shutdown (tests start many servers in one process).
-router = APIRouter()
+router = APIRouter(route_class=_Route)
 
 
 def _client(request: Request) -> EngineClient:

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.errors import bad_request
 
 MAX_CHOICES = 256  # prompts x n per request: bounds the work one HTTP request can queue
+# OpenAI's own cap. Checked while the body is validated, on the event loop: a body of more messages
+# would hold the loop (and every other route) for as long as validating them takes.
+MAX_CHAT_MESSAGES = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +192,7 @@ class _SamplingRequest(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -269,7 +272,7 @@ class CompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_CHAT_MESSAGES)
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -559,8 +559,10 @@ class OpenAIServing:
             ids = [self.tokens.encode(p, req.add_special_tokens) if isinstance(p, str) else p
                    for p in prompts]
             subs = self.prepare(ids, params, req.n)  # token ids are range-checked here, before any decoding
-            texts = [p if isinstance(p, str) else self.tokens.decode(p, skip_special_tokens=False)
-                     for p in prompts] if req.echo else []
+            texts: list[str] = []
+            if req.echo:
+                decoded = iter(self.tokens.decode_many([p for p in prompts if not isinstance(p, str)], False))
+                texts = [p if isinstance(p, str) else next(decoded) for p in prompts]
             return subs, texts
 
         subs, texts = await self.offload(preprocess)

@@ -98,7 +98,7 @@ class ServerSettings(BaseModel):
         None, ge=0, description="answer 503 to a request whose engine requests (prompts x n) would make more "
                                 "than this many wait for a running slot (default: no limit)")
     max_request_body_size: int = Field(
-        16 * 2**20, ge=1, description="largest request body in bytes, or with a unit (16MiB); 413 above")
+        2 * 2**20, ge=1, description="largest request body in bytes, or with a unit (2MiB); 413 above")
     max_n: int = Field(16, ge=1, description="largest `n` (choices per prompt) accepted")
     max_stop_strings: int = Field(64, ge=0, description="most `stop` strings in one request; 400 above")
     max_stop_chars: int = Field(

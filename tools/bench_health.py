@@ -8,7 +8,8 @@ probe. Each client
 sends its request kind in a loop, sized from the server's limits:
 
 - tokenize_text: /tokenize, one prompt of --max-prompt-chars characters (tokenizer, GIL released)
-- tokenize_chat: /tokenize, max_model_len messages holding --max-prompt-chars characters (template render)
+- tokenize_chat: /tokenize, min(max_model_len, MAX_CHAT_MESSAGES) messages holding --max-prompt-chars
+                 characters (template render)
 - detokenize:    /detokenize, max_model_len token ids
 - chat:          /v1/chat/completions, one message that fills the context, max_tokens 1 (engine prefill)
 - batch_echo:    /v1/completions, 256 prompts of up to max_model_len - 1 token ids (as many as the body
@@ -82,7 +83,7 @@ def running_server(overrides: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 def client_plan(serving: Any) -> dict[str, Any]:
     """What the clients need to size their requests: the server's limits and one context-filling text."""
-    from server.protocol import MAX_CHOICES
+    from server.protocol import MAX_CHAT_MESSAGES, MAX_CHOICES
     from server.tokens import longest_token
 
     tokenizer = serving.client.tokenizer
@@ -97,12 +98,14 @@ def client_plan(serving: Any) -> dict[str, Any]:
     empty = {"role": "assistant", "content": ""}  # the longer role name
     overhead = len(tokenizer.apply_chat_template([empty, empty], tokenize=False)) - len(
         tokenizer.apply_chat_template([empty], tokenize=False))
-    per_message = max(1, (serving.max_prompt_chars - 64) // max_len - overhead)
+    num_messages = min(max_len, MAX_CHAT_MESSAGES)
+    per_message = max(1, (serving.max_prompt_chars - 64) // num_messages - overhead)
     return {"max_prompt_chars": serving.max_prompt_chars, "max_model_len": max_len,
             "max_body": serving.settings.max_request_body_size,
             "longest_token_chars": longest_token(tokenizer),
             "vocab_size": serving.client.core.loaded.vocab_size, "max_choices": MAX_CHOICES,
-            "chars_per_message": per_message, "fill_piece": piece, "fill_count": count}
+            "num_messages": num_messages, "chars_per_message": per_message, "fill_piece": piece,
+            "fill_count": count}
 
 
 # -- client side (child process) --------------------------------------------------------------------
@@ -123,7 +126,7 @@ def _body(kind: str, plan: dict[str, Any], rng: random.Random) -> tuple[str, byt
         return "/tokenize", json.dumps({"prompt": _text(rng, plan["max_prompt_chars"])}).encode()
     if kind == "tokenize_chat":
         messages = [{"role": "user" if i % 2 == 0 else "assistant",
-                     "content": _text(rng, plan["chars_per_message"])} for i in range(max_len)]
+                     "content": _text(rng, plan["chars_per_message"])} for i in range(plan["num_messages"])]
         return "/tokenize", json.dumps({"messages": messages}).encode()
     if kind == "detokenize":
         return "/detokenize", json.dumps({"tokens": [rng.randrange(vocab) for _ in range(max_len)]}).encode()

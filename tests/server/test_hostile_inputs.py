@@ -96,6 +96,11 @@ HOSTILE: list[tuple[str, str, Any]] = [
     ("json-not-object", COMP, b'["prompt", "Hello"]'),
     ("wrong-types", CHAT, chat(stop={"a": 1})),
     ("mixed-prompt-types", COMP, comp(prompt=[1, "a"])),
+    # more messages than OpenAI takes (each one costs validation time on the event loop)
+    ("messages-2049", CHAT, chat(messages=[{"role": "user", "content": "x"}] * 2049)),
+    ("tokenize-messages-2049", "/tokenize", {"messages": [{"role": "user", "content": "x"}] * 2049}),
+    # a body over the default limit (2 MiB: its parse would hold the event loop)
+    ("body-over-2MiB", COMP, comp(prompt=[[12345] * 2000] * 256)),
 ]
 
 

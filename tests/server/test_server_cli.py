@@ -55,7 +55,7 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_defaults_flags_and_env() -> None:
     s = parse()
     assert (s.host, s.port, s.model, s.api_key) == ("127.0.0.1", 8000, None, None)
-    assert s.max_waiting_requests is None and s.max_request_body_size == 16 * 2**20
+    assert s.max_waiting_requests is None and s.max_request_body_size == 2 * 2**20
     s = parse("some/model", "--port", "9001", "--served-model-name", "a", "b", "--max-model-len", "1024",
               "--no-async-scheduling", "--no-enable-prefix-caching", "--kv-cache-memory", "256MiB",
               "--max-request-body-size", "1MiB", environ={"SPECSERVE_API_KEY": "from-env"})

@@ -269,7 +269,7 @@ def test_unexpected_error_body_names_the_request_id_only(server: RunningServer,
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("secret path /home/someone/model and another request's text")
 
-    monkeypatch.setattr(serving.tokens, "decode", broken)
+    monkeypatch.setattr(serving.tokens, "decode_many", broken)
     for path, body in (("/detokenize", {"tokens": [1, 2]}),
                        (COMP, {"prompt": [1, 2], "echo": True, "max_tokens": 1})):
         resp = _post(server, path, body)
@@ -301,3 +301,18 @@ def test_bench_health_runs_and_writes_its_report(tmp_path: Path) -> None:
     assert set(kinds) == {"tokenize_text", "detokenize"}
     assert all(k["finished"] >= 1 and k["ok"] == k["finished"] for k in kinds.values()), kinds
     assert report["health"]["n"] >= 1 and report["health"]["p99_ms"] >= report["health"]["p50_ms"]
+
+
+def test_batch_decode_equals_the_tokenizers_own(server: RunningServer) -> None:
+    """Echo and /detokenize decode through the Rust batch decode (it lets go of the GIL); the texts must
+    be transformers' own, special tokens and ids that split a UTF-8 character included."""
+    from server.tokens import TokenText
+
+    tok = server.core.tokenizer
+    text = "Grüße, 東京! <|im_start|>user\n🙂 x"
+    ids = tok.encode(text, add_special_tokens=False)
+    prompts = [ids, ids[:3], ids[1:-1], [tok.eos_token_id, 5, 6], []]
+    tt = TokenText(tok, 1 << 20)
+    for skip in (False, True):
+        assert tt.decode_many(prompts, skip) == [tok.decode(p, skip_special_tokens=skip) for p in prompts]
+        assert tt.decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
