@@ -6,15 +6,17 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from engine.attention.reference import paged_attention_reference
 from engine.attention.types import build_metadata
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
-from engine.sampler import sample
-from engine.sampling import RowState
-from engine.scheduler import RunnerOutput, SchedulerOutput
+from engine.sampler import row_uniforms, sample, target_probs, token_logprobs
+from engine.sampling import RowState, TokenLogprob
+from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.spec.rejection import RejectionConfig, verify_sampled
 from engine.spec.verify import verify_greedy
 
 
@@ -28,6 +30,10 @@ class ModelRunner:
         self.vocab_size: int | None = None  # set by the engine: sampled ids are checked against it
         # MTP: request id -> (position of its newest token, target hidden row that produced it [hidden]).
         self.mtp_hidden: dict[str, tuple[int, mx.array]] | None = None
+        # Speculation's verification rule (set by the engine) and the drafter's distributions of the
+        # drafts now being verified, for probabilistic drafters: request id -> q [K, vocab].
+        self.rejection = RejectionConfig()
+        self.draft_probs: dict[str, mx.array] = {}
         adapter.install(model)
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
@@ -74,50 +80,114 @@ class ModelRunner:
         finite = mx.all(mx.isfinite(logits), axis=-1).tolist() if logits.shape[0] else []
 
         out = RunnerOutput()
-        # Requests verifying drafts are greedy: all their rows reduce to argmax.
-        verify_rows: list[int] = []
+        # Rows by how they are decided: argmax-only verification (greedy, nothing position-dependent) in
+        # one reduction; everything else through the sampler, a verifying request contributing one row per
+        # position whose state holds its drafts so far (penalties, min_tokens and seeded keys then see
+        # exactly what plain decoding would see there).
+        argmax_rows: list[int] = []
         sample_rows: list[int] = []
-        row_states: list[RowState] = []
+        states: list[RowState] = []
+        probs_rows: list[int] = []  # positions the rejection rules need whole distributions for
+        probs_states: list[RowState] = []
+        kinds: list[str] = []
         row = 0
         for sr, n in zip(so.scheduled, counts, strict=True):
-            if n > 1:
-                verify_rows.extend(range(row, row + n))
-            elif n == 1:
-                sample_rows.append(row)
-                row_states.append(RowState(params=sr.params, output_token_ids=sr.output_token_ids,
-                                           prompt_token_ids=sr.prompt_token_ids,
-                                           eos_token_ids=sr.eos_token_ids))
+            rows = range(row, row + n)
             row += n
-        argmax = mx.argmax(logits[mx.array(verify_rows)], axis=-1) if verify_rows else None
-        sampled = sample(logits[mx.array(sample_rows)], row_states) if sample_rows else None
+            if n == 0:
+                kinds.append("none")
+            elif n > 1 and self._argmax_verifies(sr):
+                kinds.append("argmax")
+                argmax_rows.extend(rows)
+            else:
+                row_states = [RowState(params=sr.params,
+                                       output_token_ids=sr.output_token_ids + sr.spec_token_ids[:i],
+                                       prompt_token_ids=sr.prompt_token_ids, eos_token_ids=sr.eos_token_ids)
+                              for i in range(n)]
+                if n > 1 and self._rejection_verifies(sr):
+                    kinds.append("rejection")
+                    probs_rows.extend(rows)
+                    probs_states.extend(row_states)
+                else:
+                    kinds.append("sample")  # one token, or drafts checked against the sampled tokens
+                    sample_rows.extend(rows)
+                    states.extend(row_states)
+        argmax = mx.argmax(logits[mx.array(argmax_rows)], axis=-1) if argmax_rows else None
+        sampled = sample(logits[mx.array(sample_rows)], states) if sample_rows else None
         argmax_list = argmax.tolist() if argmax is not None else []
+        rejected = self._verify_by_rejection(so, kinds, logits, probs_rows, probs_states)
 
-        si = vi = row = 0
-        for sr, n in zip(so.scheduled, counts, strict=True):
+        si = ai = pi = row = 0
+        for sr, n, kind in zip(so.scheduled, counts, kinds, strict=True):
             bad = n > 0 and not all(finite[row : row + n])
             row += n
             out.errors.append("non-finite logits (NaN or inf) in this request's rows" if bad else None)
-            if n == 0:
-                out.sampled_token_ids.append([])
-                out.logprobs.append(None)
-                out.num_accepted_drafts.append(0)
-            elif n == 1:
+            lps: list[TokenLogprob | None] = []
+            if kind == "none":
+                toks: list[int] = []
+            elif kind == "argmax":
+                toks = verify_greedy(sr.spec_token_ids, argmax_list[ai : ai + n])
+                ai += n
+            elif kind == "sample":
                 assert sampled is not None
-                out.sampled_token_ids.append([sampled.token_ids[si]])
-                lp = sampled.logprobs[si]
-                out.logprobs.append([lp] if lp is not None else None)
-                out.num_accepted_drafts.append(0)
-                si += 1
+                # Drafts stand while they equal the token plain decoding draws there (the same processed
+                # distribution and random draw): the output is plain sampled decoding's, token for token.
+                toks = verify_greedy(sr.spec_token_ids, sampled.token_ids[si : si + n])
+                lps = sampled.logprobs[si : si + len(toks)]
+                si += n
             else:
-                toks = verify_greedy(sr.spec_token_ids, argmax_list[vi : vi + n])
-                out.sampled_token_ids.append(toks)
-                out.logprobs.append(None)
-                out.num_accepted_drafts.append(len(toks) - 1)
-                vi += n
+                toks, lps = rejected[pi]
+                pi += 1
+            out.sampled_token_ids.append(toks)
+            out.logprobs.append(lps if lps and lps[0] is not None else None)
+            out.num_accepted_drafts.append(max(0, len(toks) - 1))
         self._check_tokens(so, out)
         if self.mtp_hidden is not None:
             self._keep_hidden(so, counts, h, out)
         return out
+
+    def _argmax_verifies(self, sr: ScheduledRequest) -> bool:
+        """Drafts of this request are checked against the raw argmax (greedy, nothing position-dependent;
+        the synthetic rule accepts whatever the target says, so it needs its own path)."""
+        return sr.params.argmax_only and self.rejection.method != "synthetic"
+
+    def _rejection_verifies(self, sr: ScheduledRequest) -> bool:
+        """Drafts go through a rejection rule on whole distributions: probabilistic drafts (their q is
+        here), or a rule other than standard. Standard on deterministic drafts is the coupled check
+        (accept while equal to the token plain decoding draws), which needs no distributions."""
+        return sr.request_id in self.draft_probs or self.rejection.method != "standard"
+
+    def _verify_by_rejection(self, so: SchedulerOutput, kinds: list[str], logits: mx.array, rows: list[int],
+                             states: list[RowState]) -> list[tuple[list[int], list[TokenLogprob | None]]]:
+        """engine/spec/rejection.py's rule for each request of kind "rejection", in order: its tokens and,
+        where asked, their logprobs."""
+        if not rows:
+            return []
+        sub = logits[mx.array(rows)]  # [R, vocab]
+        p = np.array(target_probs(sub, states))  # [R, vocab]
+        uniforms = row_uniforms(states, stream=0)  # [R, 2]
+        tokens: list[list[int]] = []
+        emitted: list[int] = []  # per row: the token whose logprob it reports
+        r = 0
+        for sr, kind in zip(so.scheduled, kinds, strict=True):
+            if kind != "rejection":
+                continue
+            k = len(sr.spec_token_ids)
+            q = self.draft_probs.pop(sr.request_id, None)
+            toks = verify_sampled(sr.spec_token_ids, p[r : r + k + 1],
+                                  np.array(q, dtype=np.float32) if q is not None else None,
+                                  uniforms[r : r + k + 1], self.rejection)
+            tokens.append(toks)
+            emitted.extend(toks + [toks[-1]] * (k + 1 - len(toks)))
+            r += k + 1
+        lps = token_logprobs(sub, states, emitted)  # all None unless a row asked
+        results: list[tuple[list[int], list[TokenLogprob | None]]] = []
+        r = 0
+        verifying = [sr for sr, kind in zip(so.scheduled, kinds, strict=True) if kind == "rejection"]
+        for toks, sr in zip(tokens, verifying, strict=True):
+            results.append((toks, lps[r : r + len(toks)]))
+            r += len(sr.spec_token_ids) + 1
+        return results
 
     def _keep_hidden(self, so: SchedulerOutput, counts: list[int], h: mx.array, out: RunnerOutput) -> None:
         """Remember each request's hidden row that produced its newest token (the MTP input)."""

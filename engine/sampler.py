@@ -34,12 +34,16 @@ _TOP_CANDIDATES = 1024  # top-k/top-p look at this many best logits first
 
 _key_lock = threading.Lock()
 _global_key: mx.array = mx.random.key(secrets.randbits(64))
+_uniform_lock = threading.Lock()
+_uniform_rng = np.random.default_rng(secrets.randbits(64))  # unseeded rows' rejection uniforms
 
 
 def set_global_seed(seed: int | None) -> None:
     """Seed the key stream used by unseeded rows (None: fresh OS entropy)."""
-    global _global_key
+    global _global_key, _uniform_rng
     value = secrets.randbits(64) if seed is None else seed & MASK64
+    with _uniform_lock:
+        _uniform_rng = np.random.default_rng(value)
     with _key_lock:
         _global_key = mx.random.key(value)
         # Evaluate now: a lazy key is tied to this thread's MLX stream, and another engine thread
@@ -216,7 +220,8 @@ def _draw(x: mx.array, rows: list[RowState]) -> mx.array:
     return mx.argmax(x + noise, axis=-1)  # [n]
 
 
-def _logprobs(logits: mx.array, rows: list[RowState], tokens: list[int]) -> list[TokenLogprob | None]:
+def token_logprobs(logits: mx.array, rows: list[RowState], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Per row that asked for logprobs: `tokens[i]`'s logprob under the raw logits and the top ones."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     result: list[TokenLogprob | None] = [None] * len(rows)
     if not want:
@@ -259,4 +264,34 @@ def sample(logits: mx.array, rows: list[RowState]) -> SampleResult:
         drawn = _draw(filtered, random_state)  # [n_random]
         tokens[idx] = drawn.astype(tokens.dtype)
     token_list: list[int] = tokens.tolist()
-    return SampleResult(token_ids=token_list, logprobs=_logprobs(logits, rows, token_list))
+    return SampleResult(token_ids=token_list, logprobs=token_logprobs(logits, rows, token_list))
+
+
+def target_probs(logits: mx.array, rows: list[RowState]) -> mx.array:
+    """The distribution `sample` draws each row's token from: [num_rows, vocab] float32 probabilities
+    (one-hot on the processed argmax for greedy rows). Rejection rules that compare the target with a
+    drafter need it whole; `sample` itself never forms it."""
+    x = process_logits(logits, rows)  # [n, vocab]
+    probs = (mx.arange(x.shape[1])[None, :] == mx.argmax(x, axis=-1)[:, None]).astype(mx.float32)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if random_rows:
+        idx = mx.array(random_rows)
+        filtered = filter_logits(x[idx], [rows[i].params for i in random_rows])  # [n_random, vocab]
+        probs[idx] = mx.softmax(filtered, axis=-1)
+    return probs
+
+
+def row_uniforms(rows: list[RowState], stream: int) -> np.ndarray:
+    """[num_rows, 2] uniforms in [0, 1) for the rejection rules (engine/spec/rejection.py). A seeded row's
+    pair is keyed by (seed, its position, `stream`), like its sampling key: reproducible whatever the
+    batch and the step; `stream` separates independent uses at one position (verification, drafting)."""
+    out = np.empty((len(rows), 2))
+    for i, row in enumerate(rows):
+        seed = row.params.seed
+        if seed is None:
+            with _uniform_lock:
+                out[i] = _uniform_rng.random(2)
+        else:
+            pos = len(row.output_token_ids)
+            out[i] = np.random.default_rng([seed & MASK64, pos, stream]).random(2)
+    return out

@@ -108,12 +108,12 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
-    def spec_decode_ok(self) -> bool:
-        """True when the next token is exactly argmax of the raw logits at every position.
+    def argmax_only(self) -> bool:
+        """True when the next token is exactly argmax of the raw logits at every position: drafts then
+        verify by argmax alone. Other requests verify position by position through the sampler.
 
-        top_k/top_p/min_p are ignored for greedy rows (they always keep the argmax), so they don't
-        matter here; the seed is irrelevant too. min_tokens masks EOS depending on position, so rows
-        that use it are excluded to keep draft verification a plain argmax.
+        top_k/top_p/min_p are ignored for greedy rows (they always keep the argmax) and the seed is
+        irrelevant; penalties, min_tokens (EOS masked by position) and logprobs need the sampler.
         """
         return self.is_greedy and not self.has_penalties and self.logprobs is None and self.min_tokens == 0
 

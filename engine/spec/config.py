@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from engine.spec.rejection import RejectionConfig
+
 Method = Literal["ngram", "suffix", "draft_model", "mtp"]
 
 # Keys users bring over from other places that do not belong here: a message each, not "extra key".
@@ -18,9 +20,9 @@ _MISPLACED = {
     "tensor_parallel_size": "tensor_parallel_size is not allowed inside --speculative-config; the draft "
                             "runs with draft_tensor_parallel_size (only 1 is supported)",
     "temperature": "temperature is a per-request sampling parameter, not part of --speculative-config "
-                   "(greedy requests are verified exactly; other requests skip drafting)",
+                   "(every request's drafts are verified against its own sampling settings)",
     "top_p": "top_p is a per-request sampling parameter, not part of --speculative-config "
-             "(greedy requests are verified exactly; other requests skip drafting)",
+             "(every request's drafts are verified against its own sampling settings)",
     "top_k": "top_k is a per-request sampling parameter, not part of --speculative-config",
 }
 
@@ -63,6 +65,32 @@ class _Base(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     revision: str | None = None
     quantization: str | None = None
+    # How sampled requests' drafts are verified (engine/spec/rejection.py). standard (alias strict):
+    # token by token, lossless; block: block verification, lossless; synthetic: accept each draft with
+    # synthetic_acceptance_rate whatever it is (benchmarking only); typical: accept drafts the target
+    # finds typical enough (lossy, posterior_threshold / posterior_alpha as vLLM's typical sampler).
+    rejection_sample_method: Literal["standard", "strict", "block", "synthetic", "typical"] = "standard"
+    synthetic_acceptance_rate: float | None = Field(None, ge=0, le=1)
+    posterior_threshold: float = Field(0.09, ge=0, le=1)
+    posterior_alpha: float = Field(0.3, ge=0)
+
+    @model_validator(mode="after")
+    def _check_rejection(self) -> _Base:
+        synthetic = self.rejection_sample_method == "synthetic"
+        if synthetic != (self.synthetic_acceptance_rate is not None):
+            raise ValueError("synthetic_acceptance_rate: set it exactly when rejection_sample_method is "
+                             "synthetic")
+        return self
+
+    @property
+    def rejection(self) -> RejectionConfig:
+        method = "standard" if self.rejection_sample_method == "strict" else self.rejection_sample_method
+        return RejectionConfig(method, self.synthetic_acceptance_rate, self.posterior_threshold,
+                               self.posterior_alpha)
+
+    @property
+    def lossless(self) -> bool:
+        return self.rejection.method in ("standard", "block")
 
     @model_validator(mode="after")
     def _check_table(self) -> _Base:

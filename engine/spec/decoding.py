@@ -34,6 +34,8 @@ class SpecDecoding:
         self.max_len = max_len
         self.faults: FaultInjector | None = runner.faults
         self.proposer: Proposer = build_proposer(spec, draft, draft_blocks, block_size, target, runner)
+        self.runner = runner
+        runner.rejection = spec.rejection
         self.backoff = DraftBackoff()
         self.adaptive: AdaptiveController | None = None
         if spec.adaptive is not None:
@@ -46,6 +48,15 @@ class SpecDecoding:
                     else spec.num_speculative_tokens,
                     f", draft {draft.name} ({draft.path}), its KV cache {draft_blocks} blocks"
                     if draft is not None else "")
+        rule = spec.rejection
+        if rule.method == "synthetic":
+            logger.warning("speculative decoding: SYNTHETIC acceptance (benchmarking only): every draft is "
+                           "accepted with probability %s whatever it is; outputs are NOT the model's",
+                           rule.synthetic_acceptance_rate)
+        elif rule.method == "typical":
+            logger.warning("speculative decoding: LOSSY typical acceptance (posterior_threshold=%s, "
+                           "posterior_alpha=%s): sampled outputs no longer follow the model's distribution",
+                           rule.posterior_threshold, rule.posterior_alpha)
 
     def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
         """The step's cost, for the adaptive controller's rate model."""
@@ -60,6 +71,7 @@ class SpecDecoding:
 
     def preempted(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            self.runner.draft_probs.pop(rid, None)
             self.proposer.release(rid, finished=False)
 
     def observe(self, so: SchedulerOutput, res: RunnerOutput,
@@ -82,7 +94,7 @@ class SpecDecoding:
         return st
 
     def propose(self, running: list[Request], kv: KVCacheManager, stats: IterationStats) -> None:
-        """Ask the proposer for drafts of greedy requests in decode; drafts are verified next step.
+        """Ask the proposer for drafts of requests in decode; drafts are verified next step.
         K: the static controls give the most a request may take; with "auto" the adaptive controller
         picks per request within that (0 included)."""
         k_batch = self.spec.tokens_for_batch(len(running))
@@ -93,7 +105,7 @@ class SpecDecoding:
         reqs: list[DraftRequest] = []
         targets: list[Request] = []
         for req in running:
-            if req.spec_disabled or not req.params.spec_decode_ok:
+            if req.spec_disabled:
                 continue
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still prefilling
@@ -177,6 +189,7 @@ class SpecDecoding:
     def release(self, req: Request) -> None:
         """A request ended: drop what every part keeps for it."""
         self.backoff.release(req.request_id)
+        self.runner.draft_probs.pop(req.request_id, None)
         if self.adaptive is not None:
             self.adaptive.release(req.request_id)
         normal = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)

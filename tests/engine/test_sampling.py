@@ -94,12 +94,12 @@ def test_greedy_and_spec_decode_flags():
     assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(temperature=1e-6).is_greedy
     assert not SamplingParams(temperature=0.5).is_greedy
-    assert SamplingParams(temperature=0.0, seed=3, top_p=0.5).spec_decode_ok  # argmax-invariant
-    assert not SamplingParams(temperature=0.7).spec_decode_ok
-    assert not SamplingParams(temperature=0.0, presence_penalty=0.5).spec_decode_ok
-    assert not SamplingParams(temperature=0.0, repetition_penalty=1.1).spec_decode_ok
-    assert not SamplingParams(temperature=0.0, logprobs=0).spec_decode_ok
-    assert not SamplingParams(temperature=0.0, min_tokens=3).spec_decode_ok
+    assert SamplingParams(temperature=0.0, seed=3, top_p=0.5).argmax_only  # argmax-invariant
+    assert not SamplingParams(temperature=0.7).argmax_only
+    assert not SamplingParams(temperature=0.0, presence_penalty=0.5).argmax_only
+    assert not SamplingParams(temperature=0.0, repetition_penalty=1.1).argmax_only
+    assert not SamplingParams(temperature=0.0, logprobs=0).argmax_only
+    assert not SamplingParams(temperature=0.0, min_tokens=3).argmax_only
 
 
 # ---------------------------------------------------------------------------------------------
