@@ -9,6 +9,10 @@
     specserve bench sweep --modes off,ngram --dataset-name copy,mixed-temp --max-concurrency 1,8,32
     # adaptive K against static K: auto must not lose to the best of the others
     specserve bench sweep --modes off,ngram,ngram-auto --k 1,2,4 --max-concurrency 1,8,16,32 --rounds 2
+    # speculation on and off against temperature: acceptance, tokens/s, TTFT / TPOT per temperature
+    specserve bench sweep --modes off,ngram --temperatures 0,0.4,0.8,1.0 --max-concurrency 8
+    # an operator's mix (half extraction at 0.1, half creative at 1.0), P50 / P99 per class
+    specserve bench sweep --modes off,ngram --dataset-name extraction-creative --max-concurrency 8
 
 Modes are "off" and the example configs in configs/*.yaml, named after the file (see loadtests/modes.py).
 Only `offline` imports the engine, and only when it runs.
@@ -95,10 +99,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--serve-args", default=None, help="extra flags for every `specserve serve` started")
     p.add_argument("--step-traces", action="store_true",
                    help="each specserve server writes OUTPUT/logs/<label>.steps.jsonl (--step-trace)")
-    p.add_argument("--base", default=None, help="server the ratios divide by (default: the first)")
+    p.add_argument("--base", default=None,
+                   help="server the ratios divide by (default: off where it runs, else the first)")
     p.add_argument("--request-rate", default="inf", help="comma-separated rates (default: inf)")
     p.add_argument("--max-concurrency", default=None,
                    help="comma-separated levels (default: 1,8,16,32; with a finite rate: no limit)")
+    p.add_argument("--temperatures", default=None,
+                   help="comma-separated: every level once per temperature, every request at it, each "
+                        "prompt with a fixed seed (default: each dataset's own; with it, the datasets "
+                        "default to copy,chat)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per level (default: --prompts-per-slot x concurrency, at least 4; with a "
                         "finite rate: rate x --duration)")
@@ -171,7 +180,9 @@ def request_options(args: argparse.Namespace) -> RequestOptions:
 def run(args: argparse.Namespace) -> int:
     """Run the `bench` subcommand `args` were parsed for."""
     if args.dataset_name is None:
-        args.dataset_name = "custom" if args.dataset_path else args.dataset_default
+        # A temperature sweep replaces the datasets' temperatures: its default leaves them to the run.
+        default = "copy,chat" if getattr(args, "temperatures", None) else args.dataset_default
+        args.dataset_name = "custom" if args.dataset_path else default
     args.data = dataset_options(args)
     if hasattr(args, "endpoint"):
         args.request = request_options(args)

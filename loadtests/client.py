@@ -35,6 +35,7 @@ class RequestResult:
     usage_reported: bool = False
     finish_reason: str | None = None
     retries: int = 0  # connection attempts dropped before any response, then retried
+    request_class: str | None = None  # the item's class, where the dataset gives one
 
     @property
     def tpot(self) -> float | None:
@@ -112,7 +113,8 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, item: WorkIte
                          run_t0: float) -> RequestResult:
     path, body = build_payload(item, opts)
     t0 = time.perf_counter()  # latencies count from the first attempt: what the user waits for
-    res = RequestResult(item_id=item.id, temperature=body["temperature"], start=t0 - run_t0)
+    res = RequestResult(item_id=item.id, temperature=body["temperature"], start=t0 - run_t0,
+                        request_class=item.request_class)
     for attempt in range(opts.max_retries + 1):
         try:
             await _attempt(client, base_url.rstrip("/") + path, body, opts, res, t0)

@@ -4,8 +4,10 @@ written for this repository: no downloads, no third-party data):
 - chat:       free-text questions (data/chat.jsonl), greedy.
 - copy:       summarise / edit / repeat a given text, refactor code (data/passages/*); the answer
               copies much of the prompt, which is where ngram and suffix speculation pay off.
-- mixed-temp: chat + copy prompts, a fraction greedy and the rest sampled at temperature 0.7-1.0;
-              sampled requests skip drafting, so this is the case where speculation can hurt P99.
+- mixed-temp: chat + copy prompts, a fraction greedy and the rest sampled at temperature 0.7-1.0
+              (classes "greedy" and "sampled"): where speculation can hurt the sampled requests' P99.
+- extraction-creative: half copy prompts at temperature 0.1 (class "extraction"), half chat prompts at
+              1.0 (class "creative"), alternating: an operator's mix, reported per class.
 - long:       four to six passages concatenated (~1,000-1,500 tokens) and a question about them.
 
 and two more that need no data:
@@ -13,7 +15,9 @@ and two more that need no data:
 - random:     prompts of random token ids, exactly `input_len` long, asking for `output_len` tokens
               (sent as token ids to /v1/completions, as vLLM's random dataset measures raw speed).
 - custom:     a JSONL file, one request a line: {"messages": [...]} or {"prompt": "..."}, optional
-              "max_tokens" and "id".
+              "max_tokens", "id", "temperature" and "class".
+
+Items may carry a class (`WorkItem.request_class`); results then give latencies and tokens/s per class.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 from loadtests.resources import data
 
-BUILT_IN = ("chat", "copy", "mixed-temp", "long")
+BUILT_IN = ("chat", "copy", "mixed-temp", "extraction-creative", "long")
 DATASETS = (*BUILT_IN, "random", "custom")
 
 _PROSE_TASKS = [
@@ -62,6 +66,7 @@ class WorkItem:
     temperature: float = 0.0
     max_tokens: int | None = None  # None: the run's --max-tokens
     extra: dict[str, Any] = field(default_factory=dict)
+    request_class: str | None = None  # results are also summarised per class
 
     def prompt_text(self) -> str:
         """The plain-prompt form for /v1/completions."""
@@ -117,6 +122,20 @@ def long_items(seed: int = 0) -> list[WorkItem]:
     return items
 
 
+def at_temperature(it: WorkItem, temperature: float, seed: int = 0,
+                   request_class: str | None = None) -> WorkItem:
+    """A copy of `it` sampled at `temperature`, with a fixed seed per item where it samples: servers
+    compared sample from the same key stream, so without speculation (or with lossless speculation on
+    one and not the other) their token counts stay comparable. Unseeded, EOS comes at random and moves a
+    wave's token count, and so its tokens/s, at the same duration."""
+    extra = {k: v for k, v in it.extra.items() if k != "seed"}
+    if temperature > 0:
+        extra["seed"] = zlib.crc32(f"{seed}:{it.id}".encode())
+    return WorkItem(id=it.id, messages=it.messages, prompt_ids=it.prompt_ids, temperature=temperature,
+                    max_tokens=it.max_tokens, extra=extra,
+                    request_class=it.request_class if request_class is None else request_class)
+
+
 def mixed_temp_items(greedy_fraction: float = 0.5, seed: int = 0) -> list[WorkItem]:
     rng = random.Random(seed)
     base = chat_items() + copy_items()
@@ -124,11 +143,25 @@ def mixed_temp_items(greedy_fraction: float = 0.5, seed: int = 0) -> list[WorkIt
     items = []
     for it in base:
         temp = 0.0 if rng.random() < greedy_fraction else round(rng.uniform(0.7, 1.0), 2)
-        # A fixed seed per sampled item: every server compared samples the same text (speculation never
-        # touches sampled requests), so their token counts match. Unseeded, EOS comes at random and
-        # moves a wave's token count, and so its tokens/s, at the same duration.
-        extra = {"seed": zlib.crc32(f"{seed}:{it.id}".encode())} if temp > 0 else {}
-        items.append(WorkItem(id=it.id, messages=it.messages, temperature=temp, extra=extra))
+        items.append(at_temperature(it, temp, seed, "greedy" if temp == 0 else "sampled"))
+    return items
+
+
+EXTRACTION_TEMPERATURE = 0.1
+CREATIVE_TEMPERATURE = 1.0
+
+
+def extraction_creative_items(seed: int = 0) -> list[WorkItem]:
+    """Copy prompts at 0.1 ("extraction") and chat prompts at 1.0 ("creative"), alternating, so every
+    run of consecutive requests is half one class, half the other."""
+    rng = random.Random(seed)
+    extraction, creative = copy_items(), chat_items()
+    rng.shuffle(extraction)
+    rng.shuffle(creative)
+    items = []
+    for ex, cr in zip(extraction, creative, strict=False):  # as many of each: the shorter list's length
+        items.append(at_temperature(ex, EXTRACTION_TEMPERATURE, seed, "extraction"))
+        items.append(at_temperature(cr, CREATIVE_TEMPERATURE, seed, "creative"))
     return items
 
 
@@ -140,8 +173,9 @@ def random_items(num: int, input_len: int, output_len: int, vocab_size: int = 32
                      max_tokens=output_len) for i in range(num)]
 
 
-def custom_items(path: str | Path) -> list[WorkItem]:
-    """A JSONL file of requests: {"messages": [...]} or {"prompt": "..."}, optional "max_tokens", "id"."""
+def custom_items(path: str | Path, seed: int = 0) -> list[WorkItem]:
+    """A JSONL file of requests: {"messages": [...]} or {"prompt": "..."}, optional "max_tokens", "id",
+    "temperature" (sampled ones get a seed per item) and "class"."""
     items = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -153,8 +187,9 @@ def custom_items(path: str | Path) -> list[WorkItem]:
             messages = _user(rec["prompt"])
         else:
             raise ValueError(f"{path}:{n}: a line needs 'messages' or 'prompt'")
-        items.append(WorkItem(id=str(rec.get("id", f"custom-{n}")), messages=messages,
-                              max_tokens=rec.get("max_tokens")))
+        item = WorkItem(id=str(rec.get("id", f"custom-{n}")), messages=messages,
+                        max_tokens=rec.get("max_tokens"), request_class=rec.get("class"))
+        items.append(at_temperature(item, float(rec.get("temperature", 0.0)), seed))
     if not items:
         raise ValueError(f"{path}: no requests")
     return items
@@ -184,6 +219,8 @@ def load_dataset(name: str, opts: DatasetOptions | None = None) -> list[WorkItem
         return items
     if name == "mixed-temp":
         return mixed_temp_items(opts.greedy_fraction, opts.seed)
+    if name == "extraction-creative":
+        return extraction_creative_items(opts.seed)
     if name == "long":
         return long_items(opts.seed)
     if name == "random":
@@ -192,5 +229,5 @@ def load_dataset(name: str, opts: DatasetOptions | None = None) -> list[WorkItem
     if name == "custom":
         if not opts.dataset_path:
             raise ValueError("dataset 'custom' needs --dataset-path FILE.jsonl")
-        return custom_items(opts.dataset_path)
+        return custom_items(opts.dataset_path, opts.seed)
     raise ValueError(f"unknown dataset {name!r} (one of {', '.join(DATASETS)})")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import RequestOptions, resolve_model
-from loadtests.datasets import DatasetOptions, load_dataset
+from loadtests.datasets import DatasetOptions, at_temperature, load_dataset
 from loadtests.report import slug
 from loadtests.runner import Level, merge_levels, run_level, warm_up
 from loadtests.servers import ServerProcess, ServerSpec
@@ -47,7 +47,9 @@ class MatrixConfig:
 
     def to_json(self) -> dict[str, Any]:
         request = {k: v for k, v in asdict(self.request).items() if k not in ("model", "api_key")}
-        return {"datasets": self.datasets, "levels": [lvl.key for lvl in self.levels], "request": request,
+        return {"datasets": self.datasets, "levels": [lvl.key for lvl in self.levels],
+                "temperatures": list(dict.fromkeys(lvl.temperature for lvl in self.levels)),
+                "request": request,
                 "data": asdict(self.data), "prompts_per_slot": self.prompts_per_slot,
                 "min_requests": self.min_requests, "num_prompts": self.num_prompts,
                 "duration_s": self.duration_s, "rounds": self.rounds, "warmup": self.warmup}
@@ -95,11 +97,22 @@ async def _run_matrix(servers: list[ServerProcess], cfg: MatrixConfig,
     flip = 0
     for ds in cfg.datasets:
         items = load_dataset(ds, cfg.data)
+        # A sampled warm-up too where levels sample: the sampling path's first calls stay out of the data.
+        hot = max((lvl.temperature or 0.0 for lvl in cfg.levels), default=0.0)
+        warm = [items, [at_temperature(it, hot, cfg.data.seed) for it in items]] if hot > 0 else [items]
         for srv in servers:  # warm-up per dataset: prompt shapes differ between datasets
-            await warm_up(srv.url, items, replace(opts[srv.spec.label], max_tokens=8), cfg.warmup)
-        offset = 0
+            for its in warm:
+                await warm_up(srv.url, its, replace(opts[srv.spec.label], max_tokens=8), cfg.warmup)
+        offsets: dict[str, int] = {}
+        next_offset = 0
         for level in cfg.levels:
             n = cfg.num_requests(level)
+            # Every temperature of a load level gets the same prompts: acceptance then compares like
+            # with like across temperatures (each load level its own, as before).
+            if level.load_key not in offsets:
+                offsets[level.load_key] = next_offset
+                next_offset += n * cfg.rounds
+            offset = offsets[level.load_key]
             for rnd in range(cfg.rounds):
                 order = servers if flip % 2 == 0 else servers[::-1]
                 flip += 1
@@ -112,7 +125,6 @@ async def _run_matrix(servers: list[ServerProcess], cfg: MatrixConfig,
                     res["server_minor_faults"] = f1 - f0 if f0 is not None and f1 is not None else None
                     parts.setdefault((srv.spec.label, ds, level.key), []).append(res)
                     say(_progress(srv.spec.label, ds, level, rnd, res, time.monotonic() - t0))
-            offset += n * cfg.rounds
     runs = []
     for srv in servers:
         for ds in cfg.datasets:

@@ -100,9 +100,22 @@ def serving_result(level: dict[str, Any]) -> str:
                   row("Drafts:", spec["num_drafts"]), row("Draft tokens:", spec["num_draft_tokens"]),
                   row("Accepted tokens:", spec["num_accepted_tokens"]),
                   "Per-position acceptance rate: " + per_pos]
+    for name, cls in (level.get("classes") or {}).items():
+        lines += [head(f"Class {name}"),
+                  row("Successful requests:", f"{cls['completed']}/{cls['num_requests']}"),
+                  row("Output token throughput (tok/s):", num(cls["output_throughput_tok_s"], ".2f"))]
+        lines += [row(f"{'Median' if p == 'p50' else p.upper()} {short} (ms):", num(cls[key][p], ".2f"))
+                  for key, short in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2EL"))
+                  for p in ("p50", "p99")]
     if level.get("errors"):
         lines += [head("Errors"), *level["errors"]]
     return "\n".join([*lines, "=" * width])
+
+
+def load_key(level: dict[str, Any]) -> str:
+    """A level summary's load alone ("c8" of "c8-t0.4": `runner.Level.load_key`)."""
+    t = level.get("temperature")
+    return level["level"] if t is None else level["level"].removesuffix(f"-t{t:g}")
 
 
 def slug(label: str) -> str:

@@ -1,7 +1,8 @@
 """Drive one server at one load level and summarise it.
 
 A level is vLLM's pair: requests arrive at `request_rate` per second (Poisson; infinite: all at once)
-and at most `max_concurrency` are in flight. It is bounded twice: by a request count and by a time
+and at most `max_concurrency` are in flight; a sweep's level may also fix every request's temperature
+(`bench sweep --temperatures`). It is bounded twice: by a request count and by a time
 limit (no new request starts after it; those in flight finish, their length bounded by max_tokens).
 Spec-decode counters are read from `/metrics` before and after, so acceptance covers exactly this
 level's requests.
@@ -20,7 +21,7 @@ import httpx
 from tqdm import tqdm
 
 from loadtests.client import RequestOptions, RequestResult, stream_request
-from loadtests.datasets import WorkItem
+from loadtests.datasets import WorkItem, at_temperature
 from loadtests.prom import acceptance_summary, merge_spec, scrape
 
 PERCENTILES = (50, 90, 99)
@@ -30,13 +31,20 @@ PERCENTILES = (50, 90, 99)
 class Level:
     request_rate: float = math.inf  # mean arrivals per second (Poisson); inf: all at once
     max_concurrency: int | None = None  # most requests in flight; None: no limit
+    temperature: float | None = None  # every request at this temperature; None: each item's own
 
     @property
-    def key(self) -> str:
+    def load_key(self) -> str:
+        """The load alone: "c8", "r2.5", "r2.5-c4" or "all"."""
         parts = [] if math.isinf(self.request_rate) else [f"r{self.request_rate:g}"]
         if self.max_concurrency is not None:
             parts.append(f"c{self.max_concurrency}")
         return "-".join(parts) or "all"
+
+    @property
+    def key(self) -> str:
+        """The load, and the temperature where the level fixes one: "c8", "c8-t0.4"."""
+        return self.load_key + ("" if self.temperature is None else f"-t{self.temperature:g}")
 
     @property
     def x(self) -> float:
@@ -47,7 +55,8 @@ class Level:
 
     def to_json(self) -> dict[str, Any]:
         rate = None if math.isinf(self.request_rate) else self.request_rate  # JSON has no infinity
-        return {"level": self.key, "request_rate": rate, "max_concurrency": self.max_concurrency}
+        return {"level": self.key, "request_rate": rate, "max_concurrency": self.max_concurrency,
+                "temperature": self.temperature}
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -70,32 +79,41 @@ def dist_ms(seconds: list[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize(records: list[dict[str, Any]], duration: float) -> dict[str, Any]:
-    """Summary of `RequestResult.to_json()` records measured over `duration` seconds of wall time."""
+def _counts(records: list[dict[str, Any]], duration: float) -> dict[str, Any]:
+    """Counts, throughput over `duration` and latency distributions of some requests."""
     ok = [r for r in records if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
-    summary: dict[str, Any] = {
+    return {
         "num_requests": len(records),
         "completed": len(ok),
         "failed": len(records) - len(ok),
-        "duration_s": duration,
-        "input_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
         "output_tokens": out_tokens,
         "output_throughput_tok_s": out_tokens / duration if duration > 0 else None,
-        "request_throughput_rps": len(ok) / duration if duration > 0 else None,
-        "usage_reported": all(r["usage_reported"] for r in ok) if ok else None,
         "ttft_ms": dist_ms([r["ttft"] for r in ok if r["ttft"] is not None]),
         "tpot_ms": dist_ms([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_ms": dist_ms([x for r in ok for x in r["itl"]]),
         "e2e_ms": dist_ms([r["e2e"] for r in ok if r["e2e"] is not None]),
+    }
+
+
+def summarize(records: list[dict[str, Any]], duration: float) -> dict[str, Any]:
+    """Summary of `RequestResult.to_json()` records measured over `duration` seconds of wall time. Where
+    requests carry a class, "classes" holds the same counts and latencies per class (a class's tokens/s
+    is its tokens over the whole duration: the classes add up to the total)."""
+    ok = [r for r in records if r["ok"]]
+    summary: dict[str, Any] = {
+        **_counts(records, duration),
+        "duration_s": duration,
+        "input_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "request_throughput_rps": len(ok) / duration if duration > 0 else None,
+        "usage_reported": all(r["usage_reported"] for r in ok) if ok else None,
         "errors": sorted({r["error"] for r in records if r["error"]})[:5],
         "retries": sum(r.get("retries", 0) for r in records),
     }
-    greedy = [r["tpot"] for r in ok if r["temperature"] == 0 and r["tpot"] is not None]
-    sampled = [r["tpot"] for r in ok if r["temperature"] > 0 and r["tpot"] is not None]
-    if greedy and sampled:  # mixed-temperature datasets: where speculation costs the sampled ones
-        summary["tpot_ms_greedy"] = dist_ms(greedy)
-        summary["tpot_ms_sampled"] = dist_ms(sampled)
+    classes = sorted({c for r in records if (c := r.get("request_class")) is not None})
+    if classes:  # requests without a class count in the totals only
+        summary["classes"] = {c: _counts([r for r in records if r.get("request_class") == c], duration)
+                              for c in classes}
     return summary
 
 
@@ -147,6 +165,9 @@ async def warm_up(url: str, items: list[WorkItem], opts: RequestOptions, n: int 
 async def run_level(url: str, items: list[WorkItem], opts: RequestOptions, level: Level, num_requests: int,
                     duration_s: float = math.inf, offset: int = 0, seed: int = 0,
                     bar: tqdm | None = None) -> dict[str, Any]:
+    """Drive one level; `seed` seeds the arrivals and, at a level's temperature, each item's sampling."""
+    if level.temperature is not None:
+        items = [at_temperature(it, level.temperature, seed) for it in items]
     async with make_client(level.max_concurrency or min(num_requests, 256)) as client:
         before = await scrape(client, url)
         t0 = time.perf_counter()
@@ -165,7 +186,7 @@ def merge_levels(parts: list[dict[str, Any]]) -> dict[str, Any]:
     durations added, acceptance counts added, each round's throughput kept."""
     records = [r for p in parts for r in p["requests"]]
     specs = [p["spec_decode"] for p in parts if p.get("spec_decode")]
-    head = {k: parts[0][k] for k in ("level", "request_rate", "max_concurrency")}
+    head = {k: parts[0].get(k) for k in ("level", "request_rate", "max_concurrency", "temperature")}
     return {**head, **summarize(records, sum(p["duration_s"] for p in parts)),
             "spec_decode": merge_spec(specs) if specs else None, "rounds": len(parts),
             "round_throughput_tok_s": [p["output_throughput_tok_s"] for p in parts],

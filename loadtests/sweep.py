@@ -6,9 +6,16 @@ loadtests/modes.py), static-K variants of them (`--k 1,2,4`), any command line o
 stay up; for every level each runs once per round, the order alternating, so drift in the machine's
 speed hits them alike. Writes sweep.json, results.md (the tables) and one PNG per dataset.
 
-Ratios, per dataset and level: throughput / the base server's (`--base`, default the first) and /
-the best other server's, pooled and per round (a ratio within one round does not drift with the
-machine; their spread says how far one round can be trusted). "auto must never lose" reads as
+`--temperatures 0,0.4,0.8,1.0` adds a third axis: every level runs once per temperature, every request
+at it (each item with a fixed seed), the same prompts at every temperature (the specserve servers it
+starts run without prefix caching, so each temperature prefills them afresh); results.md gets a
+temperature column and DATASET-temperature.png plots acceptance, tokens/s and its ratio, TTFT, TPOT
+and e2e latency against temperature. Datasets whose items carry a class (extraction-creative,
+mixed-temp, custom with "class") also get a table per class.
+
+Ratios, per dataset and level: throughput / the base server's (`--base`, default off where it runs,
+else the first) and / the best other server's, pooled and per round (a ratio within one round does not
+drift with the machine; their spread says how far one round can be trusted). "auto must never lose" reads as
 `x best other >= 1` for an adaptive mode run beside off and its static Ks.
 """
 
@@ -26,16 +33,22 @@ from typing import Any
 
 from loadtests import modes as modes_mod
 from loadtests import plots, report
+from loadtests.datasets import load_dataset
 from loadtests.matrix import MatrixConfig, run_matrix, started
 from loadtests.prom import merge_spec
 from loadtests.runner import Level
 from loadtests.servers import ServerSpec, mlxlm_spec, server_spec, specserve_command
 
 DEFAULT_OUT = Path("results/tmp/bench-sweep")
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 
 
-def levels_of(rates: list[float], concurrencies: list[int | None]) -> list[Level]:
-    return [Level(request_rate=r, max_concurrency=c) for r in rates for c in concurrencies]
+def levels_of(rates: list[float], concurrencies: list[int | None],
+              temperatures: list[float | None] | None = None) -> list[Level]:
+    """Every (rate, concurrency, temperature), the temperature innermost: a load level's temperatures
+    run one after the other and sit side by side in the tables."""
+    return [Level(request_rate=r, max_concurrency=c, temperature=t)
+            for r in rates for c in concurrencies for t in (temperatures or [None])]
 
 
 def server_specs(args: argparse.Namespace, out: Path) -> list[ServerSpec]:
@@ -43,6 +56,9 @@ def server_specs(args: argparse.Namespace, out: Path) -> list[ServerSpec]:
     chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config,
                                   default=[] if others else modes_mod.available())
     serve_args = shlex.split(args.serve_args) if args.serve_args else []
+    if getattr(args, "temperatures", None) and not any("prefix-caching" in a for a in serve_args):
+        # A level's temperatures share prompts: uncached, each prefills them afresh and TTFTs compare.
+        serve_args.append(NO_PREFIX_CACHING)
     specs = [ServerSpec(label=label,
                         command=specserve_command(spec, extra=[*serve_args, *_trace(out, label, args)]))
              for label, spec in chosen.items()]
@@ -79,7 +95,8 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 def ratios(runs: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
     """One row per dataset, level and server: its throughput over the base server's and over the best
-    other server's (pooled, and round by round), and its P99 TPOT over the base's."""
+    other server's (pooled, and round by round), its P99 TPOT over the base's, and per request class
+    its throughput over the base's for that class."""
     by = {(r["label"], r["dataset"]): r for r in runs}
     labels = list(dict.fromkeys(r["label"] for r in runs))
     rows = []
@@ -104,8 +121,16 @@ def ratios(runs: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
                                                                          for o in others))
                                              for j in rounds] if others else [],
                     "tpot_p99_vs_base": _div(lv[lab]["tpot_ms"]["p99"], lv[base]["tpot_ms"]["p99"])
-                    if lab != base and base in lv else None})
+                    if lab != base and base in lv else None,
+                    "classes_vs_base": {c: _div(cls["output_throughput_tok_s"],
+                                                _class(lv[base], c).get("output_throughput_tok_s"))
+                                        for c, cls in (lv[lab].get("classes") or {}).items()}
+                    if lab != base and base in lv else {}})
     return rows
+
+
+def _class(level: dict[str, Any], name: str) -> dict[str, Any]:
+    return (level.get("classes") or {}).get(name) or {}
 
 
 def _at(values: list[float] | None, i: int) -> float | None:
@@ -131,11 +156,22 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [f"- **{d['label']}**: not measured, the server did not start: {d['error']}"
               for d in doc.get("unavailable", [])]
     rows = {(r["dataset"], r["level"], r["label"]): r for r in doc["ratios"]}
+    with_temp = any(lvl.get("temperature") is not None for run in runs for lvl in run["levels"])
+    if with_temp:
+        uncached = [run["label"] for run in runs if NO_PREFIX_CACHING in (run.get("command") or [])]
+        lines += ["Every request of a `temp` row is sampled at that temperature (a fixed seed per prompt), "
+                  "the same prompts at every temperature of a level. `drafted` = draft tokens proposed. "
+                  + (f"Without prefix caching ({', '.join(dict.fromkeys(uncached))}): every temperature "
+                     "prefills its prompts afresh." if uncached else
+                     "With prefix caching, later temperatures find a level's prompts cached: compare TTFT "
+                     "between servers at one temperature.")]
     for ds in cfg["datasets"]:
         lines += ["", f"**Dataset `{ds}`**", "",
-                  f"| level | server | ok/n | tok/s | x {base} | x best other | x best other, per round | "
-                  "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p99 | acc. rate | acc. len |",
-                  "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| level | {'temp | ' if with_temp else ''}server | ok/n | tok/s | x {base} | "
+                  "x best other | x best other, per round | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | "
+                  "e2e p99 | drafted | acc. rate | acc. len |",
+                  f"|---|{'---:|' if with_temp else ''}---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"
+                  "---:|---:|---:|"]
         for key in cfg["levels"]:
             for run in (r for r in runs if r["dataset"] == ds):
                 lvl = next(x for x in run["levels"] if x["level"] == key)
@@ -143,15 +179,57 @@ def markdown(doc: dict[str, Any]) -> str:
                 spec = lvl.get("spec_decode") or {}
                 per_round = " ".join(_f(x) for x in ratio["vs_best_other_rounds"]) or "-"
                 lines.append(
-                    f"| {key} | {run['label']} | {lvl['completed']}/{lvl['num_requests']} | "
+                    f"| {_level_cells(lvl, with_temp)} | {run['label']} | "
+                    f"{lvl['completed']}/{lvl['num_requests']} | "
                     f"{_f(lvl['output_throughput_tok_s'], '.1f')} | {_f(ratio['vs_base'])} | "
                     f"{_f(ratio['vs_best_other'])} | {per_round} | "
-                    + " | ".join(_f(lvl[k][p], ".0f") for k, p in (("ttft_ms", "p50"), ("ttft_ms", "p99"),
-                                                                   ("tpot_ms", "p50"), ("tpot_ms", "p99"),
-                                                                   ("e2e_ms", "p99")))
-                    + f" | {_f(spec.get('acceptance_rate'))} | {_f(spec.get('mean_acceptance_length'))} |")
+                    + _ms(lvl, (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"),
+                                ("tpot_ms", "p99"), ("e2e_ms", "p99")))
+                    + f" | {_f(spec.get('num_draft_tokens'), 'd')} | {_f(spec.get('acceptance_rate'))} | "
+                    f"{_f(spec.get('mean_acceptance_length'))} |")
+        lines += _per_class(runs, ds, cfg["levels"], rows, base, with_temp)
         lines += _connection_notes(runs, ds) + _per_position(runs, ds)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _level_cells(lvl: dict[str, Any], with_temp: bool) -> str:
+    """The level's cells: "c8", or "c8 | 0.4" where the table has a temperature column."""
+    if not with_temp:
+        return str(lvl["level"])
+    t = lvl.get("temperature")
+    return f"{report.load_key(lvl)} | {'own' if t is None else format(t, 'g')}"
+
+
+def _ms(d: dict[str, Any], keys: tuple[tuple[str, str], ...]) -> str:
+    return " | ".join(_f(d[k][p], ".0f") for k, p in keys)
+
+
+def _per_class(runs: list[dict[str, Any]], ds: str, levels: list[str], rows: dict[tuple[str, str, str], Any],
+               base: str, with_temp: bool) -> list[str]:
+    """Per level, class and server: the class's requests alone (datasets whose items carry a class)."""
+    sel = [run for run in runs if run["dataset"] == ds]
+    if not any(lvl.get("classes") for run in sel for lvl in run["levels"]):
+        return []
+    out = ["", f"Per class (`{ds}`): each class's requests alone; tok/s = the class's output tokens over the "
+           f"level's wall time (the classes add up to the level's), `x {base}` = that over {base}'s for the "
+           "same class.", "",
+           f"| level | {'temp | ' if with_temp else ''}class | server | ok/n | tok/s | x {base} | TTFT p50 | "
+           "TTFT p99 | TPOT p50 | TPOT p99 | e2e p50 | e2e p99 |",
+           f"|---|{'---:|' if with_temp else ''}---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_ms", "p99"), ("e2e_ms", "p50"),
+            ("e2e_ms", "p99"))
+    for key in levels:
+        lvls = {run["label"]: next(x for x in run["levels"] if x["level"] == key) for run in sel}
+        for name in dict.fromkeys(c for lvl in lvls.values() for c in lvl.get("classes") or {}):
+            for label, lvl in lvls.items():
+                cls = _class(lvl, name)
+                if not cls:
+                    continue
+                ratio = (rows[(ds, key, label)].get("classes_vs_base") or {}).get(name)
+                out.append(f"| {_level_cells(lvl, with_temp)} | {name} | {label} | "
+                           f"{cls['completed']}/{cls['num_requests']} | "
+                           f"{_f(cls['output_throughput_tok_s'], '.1f')} | {_f(ratio)} | {_ms(cls, keys)} |")
+    return out
 
 
 def _connection_notes(runs: list[dict[str, Any]], ds: str) -> list[str]:
@@ -189,12 +267,29 @@ def emit(doc: dict[str, Any], out: Path) -> list[Path]:
     """results.md and the plots from a sweep document; prints the tables."""
     md = markdown(doc)
     (out / "results.md").write_text(md)
-    pngs = plots.plot_by_dataset(doc["runs"], out, title=f"specserve bench sweep (base: {doc['base']});")
+    pngs = plots.plot_by_dataset(doc["runs"], out, title=f"specserve bench sweep (base: {doc['base']});",
+                                 base=doc["base"])
     print()
     print(report.format_table(report.flat_levels(doc["runs"]), report.level_columns()))
     print()
     print(md)
     return [out / "results.md", *pngs]
+
+
+def temperature_axis(args: argparse.Namespace, datasets: list[str]) -> list[float | None] | None:
+    """`--temperatures` as a list (None: each item's own temperature), checked against the datasets."""
+    if not args.temperatures:
+        return None
+    temps: list[float | None] = [float(t) for t in _csv(args.temperatures)]
+    if any(t is not None and t < 0 for t in temps):
+        raise SystemExit(f"--temperatures must be >= 0, got {args.temperatures}")
+    if args.request.temperature is not None:
+        raise SystemExit("--temperature fixes one temperature, --temperatures sweeps several: not both")
+    own = [ds for ds in datasets if any(it.temperature for it in load_dataset(ds, args.data))]
+    if own:
+        raise SystemExit(f"{', '.join(own)} set their own temperatures, which --temperatures would replace: "
+                         "sweep datasets that leave temperature to the run (copy, chat, long, random)")
+    return temps
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,7 +307,9 @@ def run(args: argparse.Namespace) -> int:
         concurrency = [int(c) for c in _csv(args.max_concurrency)]
     else:
         concurrency = [None] if any(not math.isinf(r) for r in rates) else [1, 8, 16, 32]
-    cfg = MatrixConfig(datasets=_csv(args.dataset_name), levels=levels_of(rates, concurrency),
+    datasets = _csv(args.dataset_name)
+    temperatures = temperature_axis(args, datasets)
+    cfg = MatrixConfig(datasets=datasets, levels=levels_of(rates, concurrency, temperatures),
                        request=args.request, data=args.data,
                        prompts_per_slot=args.prompts_per_slot, num_prompts=args.num_prompts,
                        duration_s=args.duration, rounds=args.rounds, warmup=args.num_warmups)
@@ -223,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
             print("no server started", file=sys.stderr)
             return 2
         runs = run_matrix(up, cfg)
-    base = args.base or runs[0]["label"]
+    labels = [r["label"] for r in runs]
+    base = args.base or ("off" if "off" in labels else labels[0])
     if base not in {r["label"] for r in runs}:
         raise SystemExit(f"--base {base!r} is not one of the servers measured")
     doc = report.result_document("sweep", cfg.to_json(), runs, {
