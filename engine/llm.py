@@ -43,13 +43,24 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None,
+                 generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        """`generation_config` / `override_generation_config`: as the server's flags, they make the
+        SamplingParams `generate` uses when given none (`get_default_sampling_params`)."""
         platform.setup()  # before the engine's modules import mlx
         from engine.core import EngineCore
+        from engine.models.loader import generation_defaults
 
         self.core = EngineCore(EngineConfig(model=model, **kwargs), loaded=loaded)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()
+        self.sampling_defaults = generation_defaults(generation_config, self.core.loaded.path,
+                                                     override_generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's defaults (vLLM's name)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -67,7 +78,10 @@ class LLM:
     ) -> list[CompletionOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if isinstance(params, Sequence):
+            plist = list(params)
+        else:
+            plist = [params or self.get_default_sampling_params()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         results: dict[str, CompletionOutput] = {}

@@ -51,6 +51,8 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--per-request-spec-decode-metrics", "per_request_spec_decode_metrics", {"choices": ["off", "summary"]}),
     ("--async-scheduling", "async_scheduling", {"action": argparse.BooleanOptionalAction}),
     ("--seed", "seed", {"type": int}),
+    ("--generation-config", "generation_config", {"metavar": "auto|vllm|FOLDER"}),
+    ("--override-generation-config", "override_generation_config", {"metavar": "JSON"}),
     ("--chat-template", "chat_template", {"metavar": "FILE"}),
     ("--trust-remote-code", "trust_remote_code", {"action": "store_true"}),
     ("--trust-request-chat-template", "trust_request_chat_template", {"action": "store_true"}),
@@ -185,6 +187,8 @@ def _paths_from(folder: Path, values: dict[str, Any]) -> None:
     from the working directory)."""
     spec = values.get("speculative_config")
     slots = [(values, "model"), (values, "chat_template")]
+    if values.get("generation_config") not in ("auto", "vllm"):
+        slots.append((values, "generation_config"))
     if isinstance(spec, dict):
         slots.append((spec, "model"))
     for where, key in slots:
@@ -237,7 +241,7 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
     if "api_key" not in values and environ.get(API_KEY_ENV):
         values["api_key"] = environ[API_KEY_ENV]
     values.update(given)
-    for key in ("speculative_config", "default_chat_template_kwargs"):
+    for key in ("speculative_config", "default_chat_template_kwargs", "override_generation_config"):
         if isinstance(values.get(key), str):
             try:
                 values[key] = json.loads(values[key])

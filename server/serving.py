@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.detokenize import StopMatcher, stop_matcher
+from engine.models.loader import generation_defaults
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprob
 from server.chat_template import ChatTemplate, compile_template, forbidden_kwarg
@@ -206,6 +207,20 @@ class OpenAIServing:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template is not valid Jinja: {e}") from e
         self.default_template_kwargs = self._check_default_kwargs(settings.default_chat_template_kwargs or {})
+        self.sampling_defaults = self._sampling_defaults(client.core.loaded.path)
+
+    def _sampling_defaults(self, model_path: str) -> dict[str, Any]:
+        source, override = self.settings.generation_config, self.settings.override_generation_config
+        defaults = generation_defaults(source, model_path, override)
+        if defaults:
+            origin = f"--generation-config {source}" + (" (the model folder's generation_config.json)"
+                                                         if source == "auto" else "")
+            if override:
+                origin += " and --override-generation-config"
+            logger.info("sampling defaults for the fields a request leaves out: %s (from %s; OpenAI's "
+                        "defaults stay with --generation-config vllm)",
+                        ", ".join(f"{k}={v}" for k, v in defaults.items()), origin)
+        return defaults
 
     def _check_default_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         bad = forbidden_kwarg(defaults, self.tokens.special_tokens)
@@ -228,21 +243,28 @@ class OpenAIServing:
             return name or self.client.model_name
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    @staticmethod
-    def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
-        p = SamplingParams(max_tokens=max_tokens, stop=req.stop_list(),
+    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest,
+                        logprobs: int | None) -> tuple[SamplingParams, bool]:
+        """The request's SamplingParams, and whether max_tokens is the model's default (the engine fits it
+        to the room each prompt leaves; a max_tokens the client sent is refused past that room instead).
+        Each field: the request's value, else the model's default (--generation-config), else OpenAI's."""
+        defaults = self.sampling_defaults
+        sent = (req.max_tokens if isinstance(req, CompletionRequest) else req.output_limit) is not None
+        from_model = not sent and "max_tokens" in defaults
+        p = SamplingParams(max_tokens=defaults["max_tokens"] if from_model else req.output_limit,
+                           stop=req.stop_list(),
                            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                            min_tokens=req.min_tokens, logprobs=logprobs,
                            include_stop_str_in_output=req.include_stop_str_in_output,
                            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
-        # Unset request fields keep the engine's defaults (OpenAI's: temperature 1, top_p 1, ...).
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 setattr(p, name, value)
-        return p
+        return p, from_model
 
     @staticmethod
     def check_choices(num_prompts: int, n: int) -> None:
@@ -307,12 +329,13 @@ class OpenAIServing:
                                        continue_final_message, self.settings.chat_template_timeout)
 
     def prepare(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                renames: dict[str, str] | None = None) -> list[SubRequest]:
-        """Validate every prompt with the engine and expand to one sub-request per choice."""
+                renames: dict[str, str] | None = None, fit_max_tokens: bool = False) -> list[SubRequest]:
+        """Validate every prompt with the engine and expand to one sub-request per choice.
+        `fit_max_tokens`: max_tokens is a server default, shortened to each prompt's room, never refused."""
         max_len = self.client.max_model_len
         for ids in prompts:
-            if params.max_tokens is not None and isinstance(params.max_tokens, int) and (
-                    len(ids) + params.max_tokens > max_len):
+            if (not fit_max_tokens and isinstance(params.max_tokens, int)
+                    and len(ids) + params.max_tokens > max_len):
                 raise bad_request(
                     f"This model's maximum context length is {max_len} tokens. However, you requested "
                     f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
@@ -460,7 +483,7 @@ class OpenAIServing:
         self.check_choices(1, req.n)
         self.check_messages(req.messages)
         source, kwargs = self.template_request(req.chat_template, req.chat_template_kwargs)
-        params = self.sampling_params(req, req.output_limit, req.num_logprobs)
+        params, fit = self.sampling_params(req, req.num_logprobs)
         renames = _CHAT_NAMES
         if req.max_completion_tokens is not None:
             renames = {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"}
@@ -468,7 +491,7 @@ class OpenAIServing:
         def preprocess() -> list[SubRequest]:
             prompt = self.render_chat(req.messages, source, kwargs, req.add_generation_prompt,
                                       req.continue_final_message)
-            return self.prepare([prompt], params, req.n, renames)
+            return self.prepare([prompt], params, req.n, renames, fit)
 
         subs = await self.offload(preprocess)
         stream = await self.submit(request_id, subs)
@@ -553,12 +576,13 @@ class OpenAIServing:
         for p in prompts:
             if isinstance(p, str):
                 self.tokens.check_length(p, "prompt")
-        params = self.sampling_params(req, req.output_limit, req.logprobs)
+        params, fit = self.sampling_params(req, req.logprobs)
 
         def preprocess() -> tuple[list[SubRequest], list[str]]:
             ids = [self.tokens.encode(p, req.add_special_tokens) if isinstance(p, str) else p
                    for p in prompts]
-            subs = self.prepare(ids, params, req.n)  # token ids are range-checked here, before any decoding
+            # token ids are range-checked here, before any decoding
+            subs = self.prepare(ids, params, req.n, fit_max_tokens=fit)
             texts: list[str] = []
             if req.echo:
                 decoded = iter(self.tokens.decode_many([p for p in prompts if not isinstance(p, str)], False))

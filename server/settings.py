@@ -67,6 +67,12 @@ class ServerSettings(BaseModel):
     async_scheduling: bool = Field(
         False, description="accepted for vLLM compatibility; the engine is synchronous")
     seed: int | None = Field(None, description="seed of the sampling key stream for unseeded requests")
+    generation_config: str = Field(
+        "auto", description="sampling defaults for fields a request leaves out: `auto` takes the model "
+                            "folder's generation_config.json, `vllm` keeps OpenAI's, or a FOLDER holding one")
+    override_generation_config: dict[str, Any] | None = Field(
+        None, description="sampling defaults as JSON, merged over --generation-config's, e.g. "
+                          "'{\"temperature\": 0.6, \"max_new_tokens\": 512}'")
     chat_template: str | None = Field(
         None, description="chat template FILE (or inline Jinja text) overriding the model's")
     trust_remote_code: bool = Field(
@@ -178,6 +184,34 @@ class ServerSettings(BaseModel):
         if not path.is_file():
             raise ValueError(f"chat template file {v!r} does not exist")
         return path.read_text()
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation(cls, v: str) -> str:
+        """auto, vllm, or a folder holding generation_config.json (checked before the model loads)."""
+        if v in ("auto", "vllm"):
+            return v
+        from pathlib import Path
+
+        folder = Path(v).expanduser()
+        if not (folder / "generation_config.json").is_file():
+            raise ValueError(f"--generation-config {v!r}: expected auto, vllm or a folder holding "
+                             "generation_config.json")
+        return str(folder)
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _generation_override(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        from engine.models.loader import GENERATION_DEFAULT_KEYS, sampling_defaults
+
+        unknown = sorted(set(v) - set(GENERATION_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(GENERATION_DEFAULT_KEYS)})")
+        sampling_defaults(v, "--override-generation-config")
+        return v
 
     @field_validator("step_trace")
     @classmethod

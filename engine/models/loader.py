@@ -147,6 +147,70 @@ def _eos_ids(config: dict, tokenizer: Any, folder: Path | None) -> list[int]:
     return sorted(set(ids))
 
 
+# generation_config.json keys taken as sampling defaults (vLLM's, plus the two OpenAI penalties).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty", "max_new_tokens")
+
+
+def model_folder(path: str | Path) -> Path:
+    """The folder a model came from (a GGUF file's folder for a GGUF)."""
+    p = Path(path)
+    return p if p.is_dir() else p.parent
+
+
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    """`folder/generation_config.json` ({} where there is none). Raises ValueError for one that is not
+    a JSON object."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def sampling_defaults(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The sampling defaults a generation config sets, by SamplingParams' names (Hugging Face's
+    `max_new_tokens` is `max_tokens`); a null value sets none. Raises ValueError naming `where` for a
+    value the engine would refuse."""
+    from engine.sampling import SamplingParams
+
+    out = {key: config[key] for key in GENERATION_DEFAULT_KEYS if config.get(key) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    try:
+        SamplingParams(**out).validate(vocab_size=1)  # no stop token ids here: the vocabulary is unused
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}".replace("max_tokens", "max_new_tokens")) from None
+    return out
+
+
+def generation_defaults(source: str, model_path: str | Path,
+                        override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Default sampling parameters, as vLLM's `--generation-config` / `--override-generation-config`:
+    `auto` takes the model folder's generation_config.json, `vllm` none (OpenAI's defaults stay), any
+    other value is a folder holding one. `override` is merged on top. Raises ValueError."""
+    config: dict[str, Any] = {}
+    if source == "auto":
+        path = model_folder(model_path) / "generation_config.json"
+        try:
+            config = read_generation_config(path.parent)
+        except ValueError as e:  # as vLLM: an unreadable file of the model's own means no defaults
+            logger.warning("sampling defaults: %s; ignored", e)
+        sampling_defaults(config, f"{path} (--generation-config vllm ignores it)")
+    elif source != "vllm":
+        path = Path(source).expanduser() / "generation_config.json"
+        if not path.is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json in that folder")
+        config = read_generation_config(path.parent)
+        sampling_defaults(config, f"--generation-config {path}")
+    return sampling_defaults({**config, **(override or {})}, "--override-generation-config")
+
+
 def resolve_source(model: str | None, revision: str | None = None) -> tuple[str, Path]:
     """-> (source kind, local path). Hub ids are downloaded (or found in the local HF cache)."""
     if model is None:
