@@ -345,7 +345,7 @@ class EngineCore:
             queue_time=(t.scheduled or end) - t.arrival,
             time_to_first_token=None if t.first_token is None else t.first_token - t.arrival,
             time_per_output_token=tpot, num_cached_tokens=req.num_cached_prompt_tokens,
-            spec_num_draft_tokens=req.spec_num_draft_tokens,
+            temperature=req.params.temperature, spec_num_draft_tokens=req.spec_num_draft_tokens,
             spec_num_accepted_tokens=req.spec_num_accepted_tokens)
 
 

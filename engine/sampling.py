@@ -14,6 +14,20 @@ MASK64 = (1 << 64) - 1
 MAX_CACHE_SALT_CHARS = 256
 
 
+# Temperature buckets, as Prometheus label values and adaptive speculation's prior keys: greedy (the
+# `is_greedy` test), then (0, 0.5], (0.5, 1] and above 1. Acceptance of sampled drafts falls with temperature.
+TEMPERATURE_BUCKETS = ("0", "(0,0.5]", "(0.5,1]", ">1")
+
+
+def temperature_bucket(t: float) -> str:
+    """The bucket of `TEMPERATURE_BUCKETS` holding temperature `t`."""
+    if t < _GREEDY_EPS:
+        return "0"
+    if t <= 0.5:
+        return "(0,0.5]"
+    return "(0.5,1]" if t <= 1.0 else ">1"
+
+
 def _check_finite(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")

@@ -15,8 +15,16 @@ class FinishedRequestStats:
     time_to_first_token: float | None
     time_per_output_token: float | None  # mean over tokens after the first
     num_cached_tokens: int
+    temperature: float  # the request's sampling temperature (0 = greedy)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SpecCounts:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -25,13 +33,23 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # The same three counts per temperature bucket (engine.sampling.temperature_bucket).
+    by_temperature: dict[str, SpecCounts] = field(default_factory=dict)
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted: int, temperature: str | None = None) -> None:
+        """One verification; `temperature`: the request's temperature bucket (None: not counted by bucket)."""
         if num_draft_tokens <= 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        if temperature is not None:
+            c = self.by_temperature.get(temperature)
+            if c is None:
+                c = self.by_temperature[temperature] = SpecCounts()
+            c.num_drafts += 1
+            c.num_draft_tokens += num_draft_tokens
+            c.num_accepted_tokens += num_accepted
         if len(self.accepted_per_pos) < num_draft_tokens:
             self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
         for i in range(num_accepted):

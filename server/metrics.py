@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.sampling import TEMPERATURE_BUCKETS, temperature_bucket
 from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -179,10 +180,20 @@ class Metrics:
         Gauge("vllm:spec_decode_draft_acceptance_rate",
               f"Accepted / drafted tokens over the last {_ACCEPTANCE_WINDOW_S:.0f} s.", labels,
               registry=reg).labels(name, "0").set_function(self._recent_acceptance)
-        self.request_acceptance = Histogram(
+        # Acceptance against sampling temperature: our own series, labelled by temperature bucket (vLLM's
+        # above keep vLLM's labels). Every bucket exists from the start, at zero.
+        temp = ["model_name", "temperature"]
+        acceptance = Histogram(
             "specserve:request_spec_decode_acceptance_rate",
-            "Per finished request: accepted / drafted tokens (requests that drafted).", ["model_name"],
-            buckets=_RATE_BUCKETS, registry=reg).labels(name)
+            "Per finished request: accepted / drafted tokens (requests that drafted), by temperature bucket.",
+            temp, buckets=_RATE_BUCKETS, registry=reg)
+        self.request_acceptance = {b: acceptance.labels(name, b) for b in TEMPERATURE_BUCKETS}
+        by_temp = [Counter(f"specserve:spec_decode_{metric}", f"{doc}, by temperature bucket.", temp,
+                           registry=reg)
+                   for metric, doc in (("num_drafts", "Number of spec decoding drafts"),
+                                       ("num_draft_tokens", "Number of draft tokens"),
+                                       ("num_accepted_tokens", "Number of accepted tokens"))]
+        self.spec_by_temperature = {b: tuple(c.labels(name, b) for c in by_temp) for b in TEMPERATURE_BUCKETS}
         # The speculation choice of each step (static or "auto"), per candidate request.
         self.chosen_k = Histogram(
             "specserve:spec_decode_chosen_num_speculative_tokens",
@@ -241,7 +252,8 @@ class Metrics:
         if fin.time_per_output_token is not None:
             self.request_tpot.observe(fin.time_per_output_token)
         if self.spec_enabled and fin.spec_num_draft_tokens:
-            self.request_acceptance.observe(fin.spec_num_accepted_tokens / fin.spec_num_draft_tokens)
+            self.request_acceptance[temperature_bucket(fin.temperature)].observe(
+                fin.spec_num_accepted_tokens / fin.spec_num_draft_tokens)
         self.request_prompt_tokens.observe(fin.num_prompt_tokens)
         self.request_generation_tokens.observe(fin.num_generation_tokens)
 
@@ -256,6 +268,11 @@ class Metrics:
                 self.spec_per_pos.append(self._per_pos_family.labels(self.model_name, "0", str(i)))
             if n:
                 self.spec_per_pos[i].inc(n)
+        for bucket, c in spec.by_temperature.items():
+            drafts, draft_tokens, accepted = self.spec_by_temperature[bucket]
+            drafts.inc(c.num_drafts)
+            draft_tokens.inc(c.num_draft_tokens)
+            accepted.inc(c.num_accepted_tokens)
         with self._lock:
             self._spec_window.add(spec)
             sec = int(time.monotonic())

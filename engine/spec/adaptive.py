@@ -8,7 +8,8 @@ Inputs, all learned online from the engine's own measurements:
 - draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
   draft_model), an exponential moving average;
 - `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
-  accepted given the ones before were, smoothed (EMA) and seeded by the method's running average.
+  accepted given the ones before were, smoothed (EMA) and seeded by the running average of the requests
+  of its temperature bucket (greedy drafts are accepted far more often than sampled ones).
 Requests that stop drafting are re-probed with one token after a doubling number of idle steps (for
 model drafts, once verified, only while the method's probes are accepted often enough to pay).
 
@@ -23,10 +24,19 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from engine.sampling import TEMPERATURE_BUCKETS
 from engine.spec.cost_model import StepCostModel
 
-# Probability assumed for a position the request has never reached (before any method average).
+# Probability assumed for a position the request has never reached (before any average of its bucket).
 _PRIOR_ACCEPT = 0.5
+GREEDY = TEMPERATURE_BUCKETS[0]
+
+
+@dataclass(slots=True)
+class _BucketAcceptance:
+    """Verdicts per position over every request of one temperature bucket: its new requests' prior."""
+    hits: list[int]
+    tries: list[int]
 
 
 @dataclass(slots=True)
@@ -46,21 +56,28 @@ class AcceptanceEstimator:
         self.prior_weight = prior_weight
         self.base_probe = base_probe
         self.max_probe = max_probe
-        # Method-wide running average per position: seeds new requests.
-        self.global_hits = [0] * max_k
-        self.global_tries = [0] * max_k
+        # Running average per position and temperature bucket: seeds new requests of that bucket.
+        self._buckets: dict[str, _BucketAcceptance] = {}
         self._req: dict[str, _RequestAcceptance] = {}
         # Share of probes accepted, over all requests: a running mean, then a moving average (weight 0.05).
         self.probe_yield = 0.0
         self.probes_seen = 0
 
-    def method_average(self, i: int) -> float:
-        tries = self.global_tries[i]
-        if tries:
-            return (self.global_hits[i] + _PRIOR_ACCEPT) / (tries + 1)
+    def _bucket(self, bucket: str) -> _BucketAcceptance:
+        b = self._buckets.get(bucket)
+        if b is None:
+            b = self._buckets[bucket] = _BucketAcceptance([0] * self.max_k, [0] * self.max_k)
+        return b
+
+    def method_average(self, i: int, bucket: str = GREEDY) -> float:
+        """The method's running average at position i over the requests of `bucket` (a bucket no request
+        has drafted in yet starts from the flat prior, not from the other buckets' average)."""
+        b = self._bucket(bucket)
+        if b.tries[i]:
+            return (b.hits[i] + _PRIOR_ACCEPT) / (b.tries[i] + 1)
         # A position no request has reached yet: like the one before it, not a flat prior that would
         # keep K below it for good.
-        return self.method_average(i - 1) if i > 0 else _PRIOR_ACCEPT
+        return self.method_average(i - 1, bucket) if i > 0 else _PRIOR_ACCEPT
 
     def _state(self, request_id: str) -> _RequestAcceptance:
         st = self._req.get(request_id)
@@ -69,22 +86,25 @@ class AcceptanceEstimator:
                 p=[0.0] * self.max_k, seen=[0] * self.max_k, probe_after=self.base_probe)
         return st
 
-    def probabilities(self, request_id: str) -> list[float]:
-        """Per position: the request's own estimate where it has evidence; else the method's running
-        average, read now (not frozen at admission); else the request's estimate one position back."""
+    def probabilities(self, request_id: str, bucket: str = GREEDY) -> list[float]:
+        """Per position: the request's own estimate where it has evidence; else the running average of
+        its temperature bucket, read now (not frozen at admission); else the request's estimate one
+        position back."""
         st = self._state(request_id)
+        tries = self._bucket(bucket).tries
         out: list[float] = []
         for i in range(self.max_k):
             if st.seen[i]:
                 out.append(st.p[i])
-            elif self.global_tries[i] or i == 0:
-                out.append(self.method_average(i))
+            elif tries[i] or i == 0:
+                out.append(self.method_average(i, bucket))
             else:
                 out.append(out[i - 1])
         return out
 
-    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A verification of `num_drafts` drafts accepted the first `num_accepted`.
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int, bucket: str = GREEDY) -> None:
+        """A verification of `num_drafts` drafts accepted the first `num_accepted`, for a request of
+        temperature bucket `bucket`.
 
         The seed counts as `prior_weight` observations: the request's own first verdicts move its
         estimate like a running mean (weight 1 / (seen + prior_weight)) until that falls to the EMA
@@ -97,7 +117,8 @@ class AcceptanceEstimator:
             self.probes_seen += 1
             a = max(0.05, 1.0 / self.probes_seen)
             self.probe_yield = (1 - a) * self.probe_yield + a * float(num_accepted > 0)
-        prior = self.probabilities(request_id)
+        prior = self.probabilities(request_id, bucket)
+        b = self._bucket(bucket)
         for i in range(min(num_drafts, self.max_k)):
             if i > num_accepted:
                 break  # later positions were never reached: no evidence about them
@@ -107,8 +128,8 @@ class AcceptanceEstimator:
             st.seen[i] += 1
             a = max(self.ema, 1.0 / (st.seen[i] + self.prior_weight))
             st.p[i] = (1 - a) * st.p[i] + a * hit
-            self.global_tries[i] += 1
-            self.global_hits[i] += int(hit)
+            b.tries[i] += 1
+            b.hits[i] += int(hit)
         if num_drafts > 0:
             st.idle_steps = 0
 
@@ -148,6 +169,7 @@ class Candidate:
     # Tokens the proposer must process before this request's first draft (a draft model whose KV
     # fell behind while the request did not draft); 0 for proposers without per-request state.
     catch_up: int = 0
+    bucket: str = GREEDY  # the request's temperature bucket (engine.sampling.temperature_bucket)
 
 
 class AdaptiveController:
@@ -183,8 +205,9 @@ class AdaptiveController:
         self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per if seen else per
         self._draft_seen = True
 
-    def observe_verification(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        self.acceptance.observe(request_id, num_drafts, num_accepted)
+    def observe_verification(self, request_id: str, num_drafts: int, num_accepted: int,
+                             bucket: str = GREEDY) -> None:
+        self.acceptance.observe(request_id, num_drafts, num_accepted, bucket)
 
     def release(self, request_id: str) -> None:
         self.acceptance.release(request_id)
@@ -208,7 +231,7 @@ class AdaptiveController:
         gain = float(base_yield if base_yield is not None else len(candidates))
         tokens = base_tokens
         cost = self.cost.predict(tokens, num_rows)
-        probs = [self.acceptance.probabilities(c.request_id) for c in candidates]
+        probs = [self.acceptance.probabilities(c.request_id, c.bucket) for c in candidates]
         # reach[j]: probability the request's next draft position is reached and accepted.
         heap = [(-probs[j][0], j) for j, c in enumerate(candidates) if c.max_k > 0]
         heapq.heapify(heap)

@@ -15,6 +15,7 @@ from engine.kv.block_manager import KVCacheManager
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
+from engine.sampling import temperature_bucket
 from engine.scheduler import RunnerOutput, SchedulerOutput
 from engine.spec.adaptive import AdaptiveController, Candidate
 from engine.spec.backoff import DraftBackoff
@@ -82,11 +83,12 @@ class SpecDecoding:
         for sr, n_acc, err in zip(so.scheduled, res.num_accepted_drafts, res.errors, strict=True):
             if not sr.spec_token_ids or err is not None:
                 continue
-            st.observe(len(sr.spec_token_ids), n_acc)
+            req = requests.get(sr.request_id)  # None only for a request already released: no bucket
+            bucket = temperature_bucket(req.params.temperature) if req is not None else None
+            st.observe(len(sr.spec_token_ids), n_acc, bucket)
             self.backoff.observe(sr.request_id, len(sr.spec_token_ids), n_acc)
-            if self.adaptive is not None:
-                self.adaptive.observe_verification(sr.request_id, len(sr.spec_token_ids), n_acc)
-            req = requests.get(sr.request_id)
+            if self.adaptive is not None and bucket is not None:
+                self.adaptive.observe_verification(sr.request_id, len(sr.spec_token_ids), n_acc, bucket)
             if req is not None:
                 req.spec_num_drafts += 1
                 req.spec_num_draft_tokens += len(sr.spec_token_ids)
@@ -132,8 +134,8 @@ class SpecDecoding:
                 for r, d in zip(reqs, drafts, strict=True):
                     r.num_drafts = len(d)
             has = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
-            cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts,
-                               self.proposer.catch_up_tokens(reqs[i])) for i in has]
+            cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts, self.proposer.catch_up_tokens(reqs[i]),
+                               temperature_bucket(targets[i].params.temperature)) for i in has]
             rows = _decoding_requests(running)
             ks = [0] * len(reqs)
             for i, k in zip(has, self.adaptive.choose(cands, rows, rows, num_rows=rows), strict=True):

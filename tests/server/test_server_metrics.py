@@ -10,6 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.sampling import TEMPERATURE_BUCKETS, SamplingParams, temperature_bucket
+from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
+from server.metrics import EngineSnapshot, Metrics
 from tests.conftest import RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -178,3 +181,68 @@ def test_engine_gauges_track_a_running_request(server: RunningServer) -> None:
         assert value(s, "specserve:kv_cache_free_blocks") < value(s, "specserve:kv_cache_total_blocks")
         assert 0 < value(s, "vllm:kv_cache_usage_perc") < 1
     wait_for(server.idle, timeout=1.5)
+
+
+# -- acceptance against temperature (issue #36), the metrics module driven with stats objects -----------
+def spec_metrics() -> tuple[Metrics, Callable[[], dict]]:
+    m = Metrics(MODEL, lambda: EngineSnapshot(0, 0, 1, 1), num_speculative_tokens=4)
+
+    def samples() -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    return m, samples
+
+
+def finished(temperature: float, drafted: int, accepted: int) -> FinishedRequestStats:
+    return FinishedRequestStats("stop", 5, 20, 1.0, 0.0, 0.1, 0.05, 0, temperature=temperature,
+                                spec_num_draft_tokens=drafted, spec_num_accepted_tokens=accepted)
+
+
+def test_temperature_buckets() -> None:
+    table = {0.0: "0", 9e-6: "0", 1e-5: "(0,0.5]", 0.3: "(0,0.5]", 0.5: "(0,0.5]", 0.50001: "(0.5,1]",
+             0.7: "(0.5,1]", 1.0: "(0.5,1]", 1.0001: ">1", 2.0: ">1"}
+    for t, bucket in table.items():
+        assert temperature_bucket(t) == bucket, t
+        assert (bucket == "0") == SamplingParams(temperature=t).is_greedy  # the same greedy test
+    assert set(table.values()) == set(TEMPERATURE_BUCKETS)
+
+
+def test_request_acceptance_histogram_is_labelled_by_temperature() -> None:
+    m, samples = spec_metrics()
+    m.on_iteration(IterationStats(0.0, 0.0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0, finished=[
+        finished(0.0, 10, 9), finished(0.7, 10, 2), finished(1.5, 0, 0)]))  # the last one never drafted
+    s = samples()
+    name = "specserve:request_spec_decode_acceptance_rate"
+
+    def hist(suffix: str, temperature: str, **le: str) -> float:
+        return s[(name + suffix, tuple(sorted({**LABEL, "temperature": temperature, **le}.items())))]
+
+    assert hist("_count", "0") == 1 and hist("_sum", "0") == pytest.approx(0.9)
+    assert hist("_count", "(0.5,1]") == 1 and hist("_sum", "(0.5,1]") == pytest.approx(0.2)
+    assert hist("_bucket", "(0.5,1]", le="0.1") == 0 and hist("_bucket", "(0.5,1]", le="0.2") == 1
+    assert hist("_bucket", "0", le="0.8") == 0 and hist("_bucket", "0", le="0.9") == 1
+    # Every bucket is exposed from the start; a request that never drafted is no observation.
+    assert hist("_count", "(0,0.5]") == 0 and hist("_count", ">1") == 0
+    assert {dict(k[1]).get("temperature") for k in s if k[0] == name + "_count"} == {
+        "0", "(0,0.5]", "(0.5,1]", ">1"}
+
+
+def test_spec_counters_by_temperature_add_up_to_vllms() -> None:
+    m, samples = spec_metrics()
+    spec = SpecDecodingStats()
+    for drafted, accepted, bucket in ((4, 4, "0"), (4, 3, "0"), (3, 0, "(0.5,1]"), (2, 1, ">1")):
+        spec.observe(drafted, accepted, bucket)
+    m.on_iteration(IterationStats(0.0, 0.0, 4, 0, 12, 4, 0, 0.0, 0, 0, 0, spec=spec))
+    s = samples()
+
+    def ours(metric: str, temperature: str) -> float:
+        return value(s, f"specserve:spec_decode_{metric}_total", temperature=temperature)
+
+    want = {"0": (2, 8, 7), "(0,0.5]": (0, 0, 0), "(0.5,1]": (1, 3, 0), ">1": (1, 2, 1)}
+    for bucket, counts in want.items():
+        assert tuple(ours(k, bucket) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")) \
+            == counts, bucket
+    for i, metric in enumerate(("num_drafts", "num_draft_tokens", "num_accepted_tokens")):
+        # vLLM's counters: the same totals, under vLLM's labels only (no temperature).
+        assert value(s, f"vllm:spec_decode_{metric}_total", engine="0") == sum(c[i] for c in want.values())
+        assert not any(k[0] == f"vllm:spec_decode_{metric}_total" and "temperature" in dict(k[1]) for k in s)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from engine.sampling import SamplingParams, temperature_bucket
 from engine.spec.adaptive import AcceptanceEstimator, AdaptiveController, Candidate
 from engine.spec.cost_model import StepCostModel
 
@@ -462,6 +463,56 @@ def test_probes_that_need_a_catch_up_go_one_per_step() -> None:
     c, _ = controller(fixed=0.035, per_token=0.007, accept=0.0, max_k=4, draft=0.050)
     assert all(c.choose([Candidate("behind", 4, 200), Candidate("current", 4, 1)], base_tokens=2) == [0, 0]
                for _ in range(40))
+
+
+def test_the_prior_of_new_requests_is_kept_per_temperature_bucket() -> None:
+    # Greedy requests' drafts accepted 9 times in 10, temperature-1.0 requests' 1 time in 20, on the CPU-like
+    # line (35 ms + 7 ms per token): a new request of each starts from its own bucket's average, so the
+    # sampled one does not draft on the greedy flood's optimism and the greedy one is not held back.
+    greedy, sampled = temperature_bucket(0.0), temperature_bucket(1.0)
+    assert greedy != sampled
+    c, _ = controller(fixed=0.035, per_token=0.007, accept=0.0, max_k=4, requests=0)
+    rng = random.Random(0)
+
+    def requests(name: str, bucket: str, accept: float) -> None:
+        for i in range(400):
+            accepted = 0
+            while accepted < 4 and rng.random() < accept:
+                accepted += 1
+            c.observe_verification(f"{name}{i % 8}", 4, accepted, bucket)
+
+    requests("g", greedy, 0.9)
+    # A bucket nothing has drafted in yet starts from the flat prior, not from the greedy requests'.
+    assert c.acceptance.probabilities("first-sampled", sampled)[0] == pytest.approx(0.5)
+    requests("s", sampled, 0.05)
+    assert c.acceptance.method_average(0, greedy) > 0.85 and c.acceptance.method_average(0, sampled) < 0.1
+    new_sampled, new_greedy = Candidate("new-t1", 4, bucket=sampled), Candidate("new-t0", 4, bucket=greedy)
+    assert c.choose([new_sampled], base_tokens=1) == [0]
+    assert c.choose([new_greedy], base_tokens=1)[0] >= 2
+    assert (ks := c.choose([Candidate("t1", 4, bucket=sampled), Candidate("t0", 4, bucket=greedy)],
+                           base_tokens=2))[0] == 0 and ks[1] >= 2
+
+
+def test_verifications_reach_the_controller_and_the_stats_with_their_bucket() -> None:
+    # SpecDecoding.observe: a greedy and a temperature-0.8 request verify drafts in one step.
+    from engine.request import Request
+    from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+    from engine.spec.backoff import DraftBackoff
+    from engine.spec.decoding import SpecDecoding
+
+    spec = SpecDecoding.__new__(SpecDecoding)  # the observation path only: no proposer, no model
+    spec.backoff, spec.adaptive = DraftBackoff(), AdaptiveController(4)
+    reqs = {rid: Request(rid, [1, 2, 3], SamplingParams(temperature=t), 16, [0])
+            for rid, t in (("g", 0.0), ("s", 0.8))}
+    so = SchedulerOutput([ScheduledRequest(rid, [3, 7, 7, 7], 2, [], 4, [7, 7, 7], r.params, [1, 2, 3], [],
+                                           [0]) for rid, r in reqs.items()])
+    st = spec.observe(so, RunnerOutput(num_accepted_drafts=[3, 0], errors=[None, None]), reqs)
+    counts = {b: (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+              for b, c in st.by_temperature.items()}
+    assert counts == {"0": (1, 3, 3), "(0.5,1]": (1, 3, 0)}
+    acc = spec.adaptive.acceptance
+    assert acc.method_average(0, "0") > 0.5 > acc.method_average(0, "(0.5,1]")
+    assert acc.method_average(0, "(0,0.5]") == 0.5  # untouched
 
 
 def test_respects_per_request_caps() -> None:
