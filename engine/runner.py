@@ -90,6 +90,10 @@ class ModelRunner:
         probs_rows: list[int] = []  # positions the rejection rules need whole distributions for
         probs_states: list[RowState] = []
         kinds: list[str] = []
+        # The drafter's distributions of this step's drafts (probabilistic drafters only), taken now so
+        # that none outlives its step whichever way its request is verified.
+        qs = {sr.request_id: self.draft_probs.pop(sr.request_id) for sr in so.scheduled
+              if sr.request_id in self.draft_probs}
         row = 0
         for sr, n in zip(so.scheduled, counts, strict=True):
             rows = range(row, row + n)
@@ -104,7 +108,7 @@ class ModelRunner:
                                        output_token_ids=sr.output_token_ids + sr.spec_token_ids[:i],
                                        prompt_token_ids=sr.prompt_token_ids, eos_token_ids=sr.eos_token_ids)
                               for i in range(n)]
-                if n > 1 and self._rejection_verifies(sr):
+                if n > 1 and (sr.request_id in qs or self.rejection.method != "standard"):
                     kinds.append("rejection")
                     probs_rows.extend(rows)
                     probs_states.extend(row_states)
@@ -115,7 +119,9 @@ class ModelRunner:
         argmax = mx.argmax(logits[mx.array(argmax_rows)], axis=-1) if argmax_rows else None
         sampled = sample(logits[mx.array(sample_rows)], states) if sample_rows else None
         argmax_list = argmax.tolist() if argmax is not None else []
-        rejected = self._verify_by_rejection(so, kinds, logits, probs_rows, probs_states)
+        # Drafts with a q, or under a rule other than standard, go through engine/spec/rejection.py on whole
+        # distributions; standard on deterministic drafts is the coupled check below, which needs none.
+        rejected = self._verify_by_rejection(so, kinds, logits, probs_rows, probs_states, qs)
 
         si = ai = pi = row = 0
         for sr, n, kind in zip(so.scheduled, counts, kinds, strict=True):
@@ -151,14 +157,9 @@ class ModelRunner:
         the synthetic rule accepts whatever the target says, so it needs its own path)."""
         return sr.params.argmax_only and self.rejection.method != "synthetic"
 
-    def _rejection_verifies(self, sr: ScheduledRequest) -> bool:
-        """Drafts go through a rejection rule on whole distributions: probabilistic drafts (their q is
-        here), or a rule other than standard. Standard on deterministic drafts is the coupled check
-        (accept while equal to the token plain decoding draws), which needs no distributions."""
-        return sr.request_id in self.draft_probs or self.rejection.method != "standard"
-
     def _verify_by_rejection(self, so: SchedulerOutput, kinds: list[str], logits: mx.array, rows: list[int],
-                             states: list[RowState]) -> list[tuple[list[int], list[TokenLogprob | None]]]:
+                             states: list[RowState], qs: dict[str, mx.array],
+                             ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
         """engine/spec/rejection.py's rule for each request of kind "rejection", in order: its tokens and,
         where asked, their logprobs."""
         if not rows:
@@ -173,9 +174,10 @@ class ModelRunner:
             if kind != "rejection":
                 continue
             k = len(sr.spec_token_ids)
-            q = self.draft_probs.pop(sr.request_id, None)
+            q = qs.get(sr.request_id)
+            # The scheduler may have cut the drafts short (token budget, max_tokens): q's first rows remain.
             toks = verify_sampled(sr.spec_token_ids, p[r : r + k + 1],
-                                  np.array(q, dtype=np.float32) if q is not None else None,
+                                  np.array(q[:k], dtype=np.float32) if q is not None else None,
                                   uniforms[r : r + k + 1], self.rejection)
             tokens.append(toks)
             emitted.extend(toks + [toks[-1]] * (k + 1 - len(toks)))
