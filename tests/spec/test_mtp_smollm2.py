@@ -39,7 +39,7 @@ def test_trained_assistant_is_exact_at_batch_1_and_8(target, k: int) -> None:  #
     params = [greedy] * 6 + sampled
     ref, got = plain.generate(prompts, params), spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert all(o.spec_num_drafts == 0 for o in got[6:])  # sampled requests never draft
+    assert sum(o.spec_num_drafts for o in got[6:]) > 0  # sampled requests draft too, their output unchanged
     assert sum(o.spec_num_accepted_tokens for o in got[:6]) > 0
 
 
