@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 
@@ -53,3 +54,37 @@ CHATS = [
 
 def chat_prompts(llm: LLM, texts: list[str] = CHATS) -> list[list[int]]:
     return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def _gammaincc(a: float, x: float) -> float:
+    """Regularised upper incomplete gamma Q(a, x): series below a + 1, Lentz continued fraction above."""
+    if x <= 0.0:
+        return 1.0
+    log_front = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1.0:
+        term = total = 1.0 / a
+        n = 0
+        while abs(term) > abs(total) * 1e-16:
+            n += 1
+            term *= x / (a + n)
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b = x + 1.0 - a
+    c, d = 1.0 / tiny, 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = b + an / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        if abs(d * c - 1.0) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def chi2_sf(x: float, df: int) -> float:
+    return _gammaincc(df / 2.0, x / 2.0)
