@@ -131,7 +131,9 @@ class EngineClient:
         self.model_name = self.served_model_names[0]
         spec = core.spec
         self.metrics = Metrics(self.model_name, self.snapshot,
-                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                               spec_method=spec.method if spec else "",
+                               rejection_sample_method=spec.rejection_sample_method if spec else "standard")
         self.step_trace = StepTrace(step_trace) if step_trace else None
         self._loop = EngineLoop(core, stats_callback=self._on_stats, exit_hook=exit_hook)
         self._unfinished: set[str] = set()  # engine ids submitted and not yet seen finished

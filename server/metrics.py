@@ -86,7 +86,8 @@ class _SpecWindow:
 
 class Metrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, spec_method: str = "",
+                 rejection_sample_method: str = "standard") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._snapshot = snapshot
@@ -158,6 +159,12 @@ class Metrics:
         self._recent: deque[list[int]] = deque(maxlen=_ACCEPTANCE_WINDOW_S + 1)
         if self.spec_enabled:
             self._init_spec(num_speculative_tokens)
+            # Like vLLM's *_config_info series: which verification rule runs, and whether outputs still follow
+            # the model's distribution (typical and synthetic acceptance do not).
+            Gauge("specserve:spec_decode_config_info", "Speculative decoding configuration (value 1).",
+                  ["model_name", "method", "rejection_sample_method", "lossless"], registry=self.registry,
+                  ).labels(model_name, spec_method, rejection_sample_method,
+                           str(rejection_sample_method in ("standard", "strict", "block")).lower()).set(1)
 
     def _init_spec(self, k: int) -> None:
         # vLLM's names and labels; counters get the `_total` suffix on exposition.

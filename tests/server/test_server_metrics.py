@@ -246,3 +246,14 @@ def test_spec_counters_by_temperature_add_up_to_vllms() -> None:
         # vLLM's counters: the same totals, under vLLM's labels only (no temperature).
         assert value(s, f"vllm:spec_decode_{metric}_total", engine="0") == sum(c[i] for c in want.values())
         assert not any(k[0] == f"vllm:spec_decode_{metric}_total" and "temperature" in dict(k[1]) for k in s)
+
+
+@pytest.mark.parametrize(("rule", "lossless"), [("standard", "true"), ("block", "true"), ("typical", "false"),
+                                                ("synthetic", "false")])
+def test_config_info_marks_lossy_verification(rule: str, lossless: str) -> None:
+    m = Metrics("m", lambda: EngineSnapshot(0, 0, 1, 1), num_speculative_tokens=2, spec_method="ngram",
+                rejection_sample_method=rule)
+    text = m.render().decode()
+    want = (f'specserve:spec_decode_config_info{{lossless="{lossless}",method="ngram",model_name="m",'
+            f'rejection_sample_method="{rule}"}} 1.0')
+    assert want in text, text[-2000:]
