@@ -84,14 +84,21 @@ def test_same_greedy_text_with_speculation_and_counters(method: str, make_server
                    in m for m in caplog.messages)
 
 
-def test_sampled_requests_do_not_draft(make_server) -> None:
+def test_sampled_requests_draft_and_equal_plain_decoding(make_server) -> None:
     cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    with make_server(speculative_config=cfg) as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="x")
-        client.chat.completions.create(model=srv.client.model_name, max_tokens=30, temperature=0.9, seed=1,
-                                       messages=[{"role": "user", "content": COPY}])
-        assert spec_counters(srv.url)["vllm:spec_decode_num_draft_tokens_total"] == 0
-        assert srv.kv_pool_full()
+    body = {"max_tokens": 40, "temperature": 0.5, "seed": 1, "messages": [{"role": "user", "content": COPY}]}
+    texts = []
+    for spec in (None, cfg):
+        with make_server(speculative_config=spec) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="x")
+            out = client.chat.completions.create(model=srv.client.model_name, **body)
+            texts.append(out.choices[0].message.content)
+            if spec is not None:
+                counters = spec_counters(srv.url)
+                assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0
+                assert counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
+            assert srv.kv_pool_full()
+    assert texts[0] == texts[1]  # a seeded sampled request: plain decoding's text, speculation or not
 
 
 def test_bad_speculative_config_fails_at_startup() -> None:
