@@ -167,12 +167,11 @@ class ModelRunner:
         sub = logits[mx.array(rows)]  # [R, vocab]
         p = np.array(target_probs(sub, states))  # [R, vocab]
         uniforms = row_uniforms(states, stream=0)  # [R, 2]
+        verifying = [sr for sr, kind in zip(so.scheduled, kinds, strict=True) if kind == "rejection"]
         tokens: list[list[int]] = []
         emitted: list[int] = []  # per row: the token whose logprob it reports
         r = 0
-        for sr, kind in zip(so.scheduled, kinds, strict=True):
-            if kind != "rejection":
-                continue
+        for sr in verifying:
             k = len(sr.spec_token_ids)
             q = qs.get(sr.request_id)
             # The scheduler may have cut the drafts short (token budget, max_tokens): q's first rows remain.
@@ -185,7 +184,6 @@ class ModelRunner:
         lps = token_logprobs(sub, states, emitted)  # all None unless a row asked
         results: list[tuple[list[int], list[TokenLogprob | None]]] = []
         r = 0
-        verifying = [sr for sr, kind in zip(so.scheduled, kinds, strict=True) if kind == "rejection"]
         for toks, sr in zip(tokens, verifying, strict=True):
             results.append((toks, lps[r : r + len(toks)]))
             r += len(sr.spec_token_ids) + 1

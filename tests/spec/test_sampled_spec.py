@@ -196,3 +196,13 @@ def test_logprobs_of_accepted_tokens_equal_plain_decodings() -> None:
         for a, b in zip(got.logprobs, ref.logprobs, strict=True):
             assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+def test_rejection_rules_report_logprobs_of_the_tokens_they_emit() -> None:
+    spec = make_llm(speculative_config=SPECS["mtp"], **KW)
+    spec.core.runner.rejection = RejectionConfig("synthetic", synthetic_acceptance_rate=0.5)
+    (out,) = spec.generate([chat(spec, CHATS[1])], SamplingParams(max_tokens=16, temperature=0.8, logprobs=2,
+                                                                  seed=3, ignore_eos=True))
+    assert out.spec_num_accepted_tokens > 0 and len(out.token_ids) == 16
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert all(lp.logprob <= 0 and len(lp.top) == 2 for lp in out.logprobs)
