@@ -13,7 +13,7 @@ from engine.attention.types import build_metadata
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
-from engine.sampler import row_uniforms, sample, target_probs, token_logprobs
+from engine.sampler import VERIFY_STREAM, row_uniforms, sample, target_probs, token_logprobs
 from engine.sampling import RowState, TokenLogprob
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.spec.rejection import RejectionConfig, verify_sampled
@@ -33,7 +33,7 @@ class ModelRunner:
         # Speculation's verification rule (set by the engine) and the drafter's distributions of the
         # drafts now being verified, for probabilistic drafters: request id -> q [K, vocab].
         self.rejection = RejectionConfig()
-        self.draft_probs: dict[str, mx.array] = {}
+        self.draft_probs: dict[str, np.ndarray] = {}
         adapter.install(model)
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
@@ -158,15 +158,15 @@ class ModelRunner:
         return sr.params.argmax_only and self.rejection.method != "synthetic"
 
     def _verify_by_rejection(self, so: SchedulerOutput, kinds: list[str], logits: mx.array, rows: list[int],
-                             states: list[RowState], qs: dict[str, mx.array],
+                             states: list[RowState], qs: dict[str, np.ndarray],
                              ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
         """engine/spec/rejection.py's rule for each request of kind "rejection", in order: its tokens and,
         where asked, their logprobs."""
         if not rows:
             return []
         sub = logits[mx.array(rows)]  # [R, vocab]
-        p = np.array(target_probs(sub, states))  # [R, vocab]
-        uniforms = row_uniforms(states, stream=0)  # [R, 2]
+        p = target_probs(sub, states)  # [R, vocab]
+        uniforms = row_uniforms(states, VERIFY_STREAM)  # [R, 2]
         verifying = [sr for sr, kind in zip(so.scheduled, kinds, strict=True) if kind == "rejection"]
         tokens: list[list[int]] = []
         emitted: list[int] = []  # per row: the token whose logprob it reports
@@ -176,7 +176,7 @@ class ModelRunner:
             q = qs.get(sr.request_id)
             # The scheduler may have cut the drafts short (token budget, max_tokens): q's first rows remain.
             toks = verify_sampled(sr.spec_token_ids, p[r : r + k + 1],
-                                  np.array(q[:k], dtype=np.float32) if q is not None else None,
+                                  q[:k] if q is not None else None,
                                   uniforms[r : r + k + 1], self.rejection)
             tokens.append(toks)
             emitted.extend(toks + [toks[-1]] * (k + 1 - len(toks)))

@@ -7,16 +7,15 @@ Pipeline per step (mirrors vLLM v1's default order):
 2. min_tokens: EOS / stop_token_ids get -inf while ``len(output) < min_tokens``;
 3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
 4. greedy rows (temperature < 1e-5): argmax of the processed logits, nothing else;
-5. other rows: temperature, min_p, top_k, top_p, then a Gumbel-max draw.
+5. other rows: temperature, min_p, top_k, top_p, then an inverse-CDF draw with one uniform.
 
-Seeded rows derive their key from ``(seed, len(output_token_ids))`` only, so their draws are reproducible
-and do not depend on which other requests share the batch. Unseeded rows use a module-level key stream
-(``set_global_seed`` makes it deterministic).
+Seeded rows derive their uniform from ``(seed, len(output_token_ids))`` only, so their draws are
+reproducible and do not depend on which other requests share the batch. Unseeded rows use a module-level
+generator (``set_global_seed`` makes it deterministic).
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 import threading
 
@@ -24,51 +23,28 @@ import mlx.core as mx
 import numpy as np
 
 from engine.sampling import MASK64, RowState, SampleResult, SamplingParams, TokenLogprob
+from engine.spec.rejection import sample_from
 
 _TOP_CANDIDATES = 1024  # top-k/top-p look at this many best logits first
 
 
 # ---------------------------------------------------------------------------------------------
-# Random keys
+# Random numbers
 # ---------------------------------------------------------------------------------------------
 
-_key_lock = threading.Lock()
-_global_key: mx.array = mx.random.key(secrets.randbits(64))
 _uniform_lock = threading.Lock()
-_uniform_rng = np.random.default_rng(secrets.randbits(64))  # unseeded rows' rejection uniforms
+_uniform_rng = np.random.default_rng(secrets.randbits(64))  # unseeded rows' uniforms
+
+# row_uniforms' streams: independent uses of a seeded row's position
+VERIFY_STREAM, DRAFT_STREAM, SAMPLE_STREAM = 0, 1, 2
 
 
 def set_global_seed(seed: int | None) -> None:
-    """Seed the key stream used by unseeded rows (None: fresh OS entropy)."""
-    global _global_key, _uniform_rng
+    """Seed the stream used by unseeded rows (None: fresh OS entropy)."""
+    global _uniform_rng
     value = secrets.randbits(64) if seed is None else seed & MASK64
     with _uniform_lock:
         _uniform_rng = np.random.default_rng(value)
-    with _key_lock:
-        _global_key = mx.random.key(value)
-        # Evaluate now: a lazy key is tied to this thread's MLX stream, and another engine thread
-        # splitting it later would fail ("There is no Stream(cpu, N) in current thread").
-        mx.eval(_global_key)
-
-
-def _next_global_key() -> mx.array:
-    global _global_key
-    with _key_lock:
-        _global_key, sub = mx.random.split(_global_key)
-        mx.eval(_global_key, sub)
-    return sub
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def seeded_key(seed: int, step: int) -> mx.array:
-    """Key for the `step`-th generated token of a request with this seed (no batch dependence)."""
-    return mx.random.key(_splitmix64((seed & MASK64) ^ _splitmix64(step)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,97 +103,63 @@ def process_logits(logits: mx.array, rows: list[RowState]) -> mx.array:
     return x
 
 
-def _top_k_top_p_thresholds(x: mx.array, params: list[SamplingParams]) -> mx.array:
-    """Smallest kept logit per row of x ([m, vocab], temperature-scaled) under top_k then top_p.
-
-    Looks at the best _TOP_CANDIDATES logits only (a full-vocab sort is slow); rows whose nucleus is
-    not closed within them (flat distributions, top_k above the cap) are redone over the whole vocab.
-    Tokens tied with the threshold are kept, like vLLM's top-k.
-    """
-    m, vocab = x.shape
-    top_k = np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params])  # 0: no top-k
-    top_p = np.array([p.top_p if p.top_p < 1.0 else math.inf for p in params], dtype=np.float32)
-    c = min(vocab, _TOP_CANDIDATES)
-    thr, closed = _thresholds_within(x, top_k, top_p, c)
-    if c < vocab:
-        redo = np.flatnonzero(~closed | (top_k > c))
-        if redo.size:
-            full_thr, _ = _thresholds_within(x[mx.array(redo)], top_k[redo], top_p[redo], vocab)
-            thr[mx.array(redo)] = full_thr
-    return thr
-
-
-def _thresholds_within(
-    x: mx.array, top_k: np.ndarray, top_p: np.ndarray, c: int
-) -> tuple[mx.array, np.ndarray]:
-    """(threshold [m], closed [m]) using the c largest logits of each row; closed: exact answer."""
-    m, vocab = x.shape
-    cand = mx.topk(x, c, axis=-1) if c < vocab else x  # [m, c], unordered
-    cand = mx.sort(cand, axis=-1)[:, ::-1]  # [m, c], descending
-    rank = mx.arange(c)[None, :]  # [1, c]
-    k = mx.array(np.where(top_k > 0, np.minimum(top_k, c), c))[:, None]  # [m, 1]
-    in_k = rank < k  # [m, c]
-    # top_p applies to the top-k survivors renormalised, or to the whole vocab without top-k
-    log_z = mx.logsumexp(mx.where(in_k, cand, -mx.inf), axis=-1)  # [m]
-    if c < vocab and (top_k == 0).any():
-        log_z = mx.where(mx.array(top_k > 0), log_z, mx.logsumexp(x, axis=-1))
-    probs = mx.where(in_k, mx.exp(cand - log_z[:, None]), 0.0)  # [m, c]
-    mass_before = mx.cumsum(probs, axis=-1) - probs  # [m, c]
-    keep = in_k & (mass_before < mx.array(top_p)[:, None])  # rank 0 always kept: 0 < top_p
-    count = keep.astype(mx.int32).sum(axis=-1)  # [m], >= 1
-    thr = mx.take_along_axis(cand, (count - 1)[:, None], axis=-1)[:, 0]  # [m]
-    closed = np.array(count < c) | (top_k > 0)  # all c kept without top-k: the nucleus may go on
-    return thr, closed
+def _threshold(row: np.ndarray, top_k: int, top_p: float) -> float:
+    """Smallest kept logit of one row (temperature-scaled) under top_k (0: none) then top_p; tokens tied
+    with it are kept, like vLLM's top-k. Looks at the best _TOP_CANDIDATES logits first (a sort of the
+    whole vocabulary is slow) and redoes the row whole when its nucleus is not closed within them."""
+    vocab = row.shape[0]
+    c = vocab if top_k > _TOP_CANDIDATES else min(vocab, _TOP_CANDIDATES)
+    while True:
+        cand = np.partition(row, vocab - c)[vocab - c :] if c < vocab else row
+        cand = np.sort(cand)[::-1].astype(np.float64)  # [c], descending
+        k = min(top_k, c) if top_k else c
+        if top_p >= 1.0:
+            return float(cand[k - 1])
+        top = cand[:k]
+        # top_p applies to the top-k survivors renormalised, or to the whole vocab without top-k
+        z = np.exp(top - top[0]).sum() if top_k else np.exp(row - top[0]).sum(dtype=np.float64)
+        probs = np.exp(top - top[0]) / z  # [k]
+        mass_before = np.cumsum(probs) - probs  # non-decreasing: the kept tokens are a prefix
+        count = max(1, int(np.count_nonzero(mass_before < top_p)))
+        if count < c or top_k or c == vocab:
+            return float(top[count - 1])
+        c = vocab  # all candidates kept without top-k: the nucleus may go on
 
 
-def filter_logits(x: mx.array, params: list[SamplingParams]) -> mx.array:
+def filter_logits(x: mx.array | np.ndarray, params: list[SamplingParams]) -> np.ndarray:
     """Temperature, min_p, top_k, top_p (vLLM's order) for non-greedy rows.
 
-    x: [n, vocab] processed logits -> [n, vocab] scaled logits with -inf for every dropped token.
-    """
-    n, vocab = x.shape
-    temp = mx.array([p.temperature for p in params], dtype=mx.float32)[:, None]  # [n, 1]
-    x = x / temp
-    neg_inf = mx.array(-mx.inf, dtype=mx.float32)
-
-    if any(p.min_p > 0 for p in params):
+    x: [n, vocab] processed logits -> [n, vocab] float32 scaled logits with -inf for every dropped token.
+    NumPy, not MLX: on a 50k vocabulary MLX's CPU reductions cost several times NumPy's here."""
+    out = np.array(x, dtype=np.float32)  # a copy: [n, vocab]
+    vocab = out.shape[1]
+    out /= np.array([p.temperature for p in params], dtype=np.float32)[:, None]
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    if (min_p > 0).any():
         # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p); log(0) = -inf masks nothing
         with np.errstate(divide="ignore"):
-            log_min_p = mx.array(np.log(np.array([p.min_p for p in params], dtype=np.float32)))[:, None]
-        x = mx.where(x - x.max(axis=-1, keepdims=True) < log_min_p, neg_inf, x)  # [n, vocab]
-
-    restricted = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    if restricted:
-        idx = mx.array(restricted)
-        thresholds = mx.full((n,), -mx.inf, dtype=mx.float32)  # [n]
-        thresholds[idx] = _top_k_top_p_thresholds(x[idx], [params[j] for j in restricted])
-        x = mx.where(x >= thresholds[:, None], x, neg_inf)  # [n, vocab]
-    return x
+            log_min_p = np.log(min_p)[:, None]
+        out[out - out.max(axis=1, keepdims=True) < log_min_p] = -np.inf
+    for i, p in enumerate(params):
+        if 0 < p.top_k < vocab or p.top_p < 1.0:
+            row = out[i]
+            row[row < _threshold(row, p.top_k if 0 < p.top_k < vocab else 0, p.top_p)] = -np.inf
+    return out
 
 
-def _draw(x: mx.array, rows: list[RowState]) -> mx.array:
-    """One token per row of x ([n, vocab] filtered logits) -> [n] ids."""
-    n, vocab = x.shape
-    params = [r.params for r in rows]
-    # Gumbel-max: argmax(x + g) ~ softmax(x). Seeded rows get their own noise row.
-    unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    g = None
-    if unseeded:
-        g = mx.random.gumbel(shape=(len(unseeded), vocab), key=_next_global_key())  # [u, vocab]
-    if len(unseeded) == n:
-        noise = g
-    else:
-        noise_rows: list[mx.array] = []
-        j = 0
-        for row in rows:
-            if row.params.seed is None:
-                noise_rows.append(g[j])
-                j += 1
-            else:
-                key = seeded_key(row.params.seed, len(row.output_token_ids))
-                noise_rows.append(mx.random.gumbel(shape=(vocab,), key=key))  # [vocab]
-        noise = mx.stack(noise_rows)  # [n, vocab]
-    return mx.argmax(x + noise, axis=-1)  # [n]
+def _softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of [n, vocab] filtered logits (-inf entries get 0)."""
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    e /= e.sum(axis=1, keepdims=True)
+    return e
+
+
+def _draw(x: np.ndarray, rows: list[RowState]) -> list[int]:
+    """One token per row of x ([n, vocab] filtered logits): an inverse-CDF draw with one uniform, a
+    seeded row's keyed by (seed, position) only, so it does not depend on the batch or the step."""
+    u = row_uniforms(rows, SAMPLE_STREAM)[:, 0]
+    e = np.exp(x - x.max(axis=1, keepdims=True))  # [n, vocab], unnormalised; 0 for dropped tokens
+    return [sample_from(e[i], float(u[i])) for i in range(len(rows))]
 
 
 def token_logprobs(logits: mx.array, rows: list[RowState], tokens: list[int]) -> list[TokenLogprob | None]:
@@ -255,29 +197,27 @@ def sample(logits: mx.array, rows: list[RowState]) -> SampleResult:
     if not rows:
         return SampleResult(token_ids=[], logprobs=[])
     x = process_logits(logits, rows)  # [num_rows, vocab]
-    tokens = mx.argmax(x, axis=-1)  # [num_rows]; final for greedy rows
+    tokens: list[int] = mx.argmax(x, axis=-1).tolist()  # final for greedy rows
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
-        idx = mx.array(random_rows)
         random_state = [rows[i] for i in random_rows]
-        filtered = filter_logits(x[idx], [r.params for r in random_state])  # [n_random, vocab]
-        drawn = _draw(filtered, random_state)  # [n_random]
-        tokens[idx] = drawn.astype(tokens.dtype)
-    token_list: list[int] = tokens.tolist()
-    return SampleResult(token_ids=token_list, logprobs=token_logprobs(logits, rows, token_list))
+        filtered = filter_logits(x[mx.array(random_rows)], [r.params for r in random_state])
+        for i, t in zip(random_rows, _draw(filtered, random_state), strict=True):
+            tokens[i] = t
+    return SampleResult(token_ids=tokens, logprobs=token_logprobs(logits, rows, tokens))
 
 
-def target_probs(logits: mx.array, rows: list[RowState]) -> mx.array:
+def target_probs(logits: mx.array, rows: list[RowState]) -> np.ndarray:
     """The distribution `sample` draws each row's token from: [num_rows, vocab] float32 probabilities
     (one-hot on the processed argmax for greedy rows). Rejection rules that compare the target with a
     drafter need it whole; `sample` itself never forms it."""
     x = process_logits(logits, rows)  # [n, vocab]
-    probs = (mx.arange(x.shape[1])[None, :] == mx.argmax(x, axis=-1)[:, None]).astype(mx.float32)
+    probs = np.zeros(x.shape, dtype=np.float32)
+    probs[np.arange(x.shape[0]), np.array(mx.argmax(x, axis=-1))] = 1.0
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
-        idx = mx.array(random_rows)
-        filtered = filter_logits(x[idx], [rows[i].params for i in random_rows])  # [n_random, vocab]
-        probs[idx] = mx.softmax(filtered, axis=-1)
+        filtered = filter_logits(x[mx.array(random_rows)], [rows[i].params for i in random_rows])
+        probs[random_rows] = _softmax(filtered)
     return probs
 
 
@@ -285,13 +225,27 @@ def row_uniforms(rows: list[RowState], stream: int) -> np.ndarray:
     """[num_rows, 2] uniforms in [0, 1) for the rejection rules (engine/spec/rejection.py). A seeded row's
     pair is keyed by (seed, its position, `stream`), like its sampling key: reproducible whatever the
     batch and the step; `stream` separates independent uses at one position (verification, drafting)."""
-    out = np.empty((len(rows), 2))
-    for i, row in enumerate(rows):
-        seed = row.params.seed
+    return _uniforms([(row.params.seed, len(row.output_token_ids)) for row in rows], stream)
+
+
+def _uniforms(keys: list[tuple[int | None, int]], stream: int) -> np.ndarray:
+    """[n, 2] uniforms for (seed or None, output position) pairs: seeded ones keyed, the rest drawn."""
+    out = np.empty((len(keys), 2))
+    for i, (seed, pos) in enumerate(keys):
         if seed is None:
             with _uniform_lock:
                 out[i] = _uniform_rng.random(2)
         else:
-            pos = len(row.output_token_ids)
             out[i] = np.random.default_rng([seed & MASK64, pos, stream]).random(2)
     return out
+
+
+def draft_sample(logits: mx.array, params: list[SamplingParams], positions: list[int],
+                 ) -> tuple[list[int], np.ndarray]:
+    """A probabilistic drafter's draw: one token per row of `logits` ([n, V], the drafter's own) from
+    its processed distribution q (temperature, min_p, top_k, top_p as the request asks; no penalties),
+    and q itself [n, V] float32, which the rejection rule needs. `positions`: each row's output position
+    (a seeded row's draw is keyed by it, like its verification's). Rows must not be greedy."""
+    q = _softmax(filter_logits(logits, params))  # [n, V]
+    u = _uniforms([(p.seed, pos) for p, pos in zip(params, positions, strict=True)], DRAFT_STREAM)
+    return [sample_from(q[i], float(u[i, 0])) for i in range(q.shape[0])], q

@@ -76,8 +76,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     _dataset_arguments(p, default="copy")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="for every request (default: 0, greedy: output must equal off's exactly)")
+    p.add_argument("--temperature", default="0",
+                   help="for every request; a comma-separated list runs every mode at each, one after the "
+                        "other (default: 0, greedy: output must equal off's exactly)")
     p.add_argument("--skip-chat-template", action="store_true", help="tokenize prompts as plain text")
     p.add_argument("--repeats", type=int, default=3, help="measured rounds (default: %(default)s)")
     p.add_argument("--num-warmups", type=int, default=1,

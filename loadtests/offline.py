@@ -130,31 +130,9 @@ def run(args: argparse.Namespace) -> int:
     used = items[:n]
     prompts = prompt_records(used, loaded.tokenizer, not args.skip_chat_template)
     batch = [prompts[i % len(prompts)]["token_ids"] for i in range(n)]
-    params = [SamplingParams(max_tokens=used[i % len(used)].max_tokens or args.max_tokens,
-                             temperature=args.temperature, ignore_eos=args.ignore_eos,
-                             seed=args.seed if args.temperature > 0 else None) for i in range(n)]
     kw: dict[str, Any] = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_num_seqs=args.max_num_seqs, show_progress=False)
-
-    def measure(label: str, tag: str) -> tuple[dict[str, Any], Any]:
-        llm = LLM(loaded=loaded, speculative_config=chosen[label], **kw)
-        return run_batch(llm, batch, params, tag), llm.core.spec
-
-    warm: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
-    for label in chosen:
-        for i in range(args.num_warmups):
-            warm[label].append(measure(label, f"w{i}")[0])
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
-    parsed: dict[str, Any] = {}
-    for rep in range(args.repeats):
-        order = list(chosen) if rep % 2 == 0 else list(chosen)[::-1]
-        for label in order:
-            res, parsed[label] = measure(label, f"r{rep}")
-            runs[label].append({"repeat": rep, **res})
-            acc = f", acceptance {res['spec']['acceptance_rate'] or 0:.2f}" if res["spec"] else ""
-            print(f"[round {rep}] {label:>18}: {res['output_tokens_per_s'] or 0:7.1f} tok/s{acc}", flush=True)
-
     blas = blas_info()
     runtime = {"python": sys.version.split()[0], "platform": platform.platform(),
                "machine": platform.machine(), "cpu_count": os.cpu_count(),
@@ -163,18 +141,58 @@ def run(args: argparse.Namespace) -> int:
                "blas": {"name": blas.name, "path": blas.path, "reason": blas.reason}}
     common = {"args": args, "loaded": loaded, "runtime": runtime, "prompts": prompts, "load_s": load_s,
               "batch_size": min(n, args.max_num_seqs)}
-    docs = {label: document(label, parsed[label], runs[label], warm[label], **common) for label in chosen}
-    rows = summary_rows(docs)
-    table = summary_table(rows)
+    temps = temperatures(args.temperature)
+    all_docs: dict[str, dict[str, Any]] = {}
+    all_rows: list[dict[str, Any]] = []
+    for temp in temps:
+        params = [SamplingParams(max_tokens=used[i % len(used)].max_tokens or args.max_tokens,
+                                 temperature=temp, ignore_eos=args.ignore_eos,
+                                 seed=args.seed if temp > 0 else None) for i in range(n)]
+
+        def measure(label: str, tag: str, params: list[Any] = params) -> tuple[dict[str, Any], Any]:
+            llm = LLM(loaded=loaded, speculative_config=chosen[label], **kw)
+            return run_batch(llm, batch, params, tag), llm.core.spec
+
+        where = f" t={temp:g}" if len(temps) > 1 else ""
+        warm: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
+        for label in chosen:
+            for i in range(args.num_warmups):
+                warm[label].append(measure(label, f"w{i}")[0])
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
+        parsed: dict[str, Any] = {}
+        for rep in range(args.repeats):
+            order = list(chosen) if rep % 2 == 0 else list(chosen)[::-1]
+            for label in order:
+                res, parsed[label] = measure(label, f"r{rep}")
+                runs[label].append({"repeat": rep, **res})
+                acc = f", acceptance {res['spec']['acceptance_rate'] or 0:.2f}" if res["spec"] else ""
+                print(f"[round {rep}{where}] {label:>18}: {res['output_tokens_per_s'] or 0:7.1f} tok/s{acc}",
+                      flush=True)
+        docs = {label: document(label, parsed[label], runs[label], warm[label], temperature=temp, **common)
+                for label in chosen}
+        all_rows += [{**row, "temperature": temp} for row in summary_rows(docs)]
+        all_docs.update({f"{label}{where}": doc for label, doc in docs.items()})
+    table = summary_table(all_rows, with_temperature=len(temps) > 1)
     print("\n" + table)
     if args.output_dir:
-        write(docs, table, Path(args.output_dir))
-    return 1 if any(r["same_ids"] is False for r in rows) else 0
+        write(all_docs, table, Path(args.output_dir))
+    return 1 if any(r["same_ids"] is False for r in all_rows) else 0
+
+
+def temperatures(text: str | float) -> list[float]:
+    """`--temperature`: one value or a comma-separated list, each >= 0."""
+    try:
+        temps = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--temperature: expected numbers separated by commas, got {text!r}") from None
+    if not temps or any(t < 0 for t in temps):
+        raise SystemExit(f"--temperature: expected values >= 0, got {text!r}")
+    return temps
 
 
 def document(label: str, spec: Any, runs: list[dict[str, Any]], warm: list[dict[str, Any]], *,
-             args: argparse.Namespace, loaded: Any, runtime: dict[str, Any], prompts: list[dict[str, Any]],
-             load_s: float, batch_size: int) -> dict[str, Any]:
+             temperature: float, args: argparse.Namespace, loaded: Any, runtime: dict[str, Any],
+             prompts: list[dict[str, Any]], load_s: float, batch_size: int) -> dict[str, Any]:
     """One mode's result in the spec_benchmark schema."""
     parsed = spec.model_dump() if spec is not None else None
     draft = None
@@ -195,7 +213,7 @@ def document(label: str, spec: Any, runs: list[dict[str, Any]], warm: list[dict[
             "batch_size": batch_size, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "warmup": args.num_warmups, "ignore_eos": args.ignore_eos, "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
-            "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
+            "dtype": args.dtype, "temperature": temperature, "seed": args.seed,
             "chat_template": not args.skip_chat_template,
         },
         "models": {"target": _model_info(loaded), "draft": draft},
@@ -247,13 +265,15 @@ def _f(v: float | None, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def summary_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one row per mode."""
-    head = ["mode", "tok/s (min-max)", "x off", "x off, per round", "acc. rate", "acc. len",
+def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) -> str:
+    """Markdown: one row per mode (and temperature)."""
+    head = ["mode", *(["temperature"] if with_temperature else []), "tok/s (min-max)", "x off",
+            "x off, per round", "acc. rate", "acc. len",
             "acceptance per position", "greedy ids = off"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["label"], f"{_f(r['tok_s'], '.1f')} ({_f(r['min'], '.1f')}-{_f(r['max'], '.1f')})",
+        cells = [r["label"], *([f"{r['temperature']:g}"] if with_temperature else []),
+                 f"{_f(r['tok_s'], '.1f')} ({_f(r['min'], '.1f')}-{_f(r['max'], '.1f')})",
                  _f(r["speedup"]), " ".join(_f(x) for x in r["speedup_rounds"]) or "-", _f(r["acceptance"]),
                  _f(r["length"]), " ".join(_f(p) for p in r["per_pos"]) or "-",
                  "-" if r["same_ids"] is None else ("yes" if r["same_ids"] else "NO")]

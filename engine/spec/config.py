@@ -164,7 +164,14 @@ class SuffixConfig(_Base):
         return data
 
 
-class DraftModelConfig(_Base):
+class _ModelDrafter(_Base):
+    # How a drafting model picks sampled requests' drafts (greedy requests always get its argmax).
+    # greedy: its argmax, verified by the coupled rule (seeded output equals plain decoding's);
+    # probabilistic: a draw from its own processed distribution q, verified with min(1, p/q).
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+
+
+class DraftModelConfig(_ModelDrafter):
     method: Literal["draft_model"] = "draft_model"
     model: str = Field(min_length=1)
     # Share of --kv-cache-memory for the draft's own KV cache (ours, not vLLM's). Unset: a draft block beside
@@ -179,7 +186,7 @@ class DraftModelConfig(_Base):
 _Prob = Annotated[float, Field(ge=0, lt=1)]
 
 
-class MTPConfig(_Base):
+class MTPConfig(_ModelDrafter):
     method: Literal["mtp"] = "mtp"
     model: str = Field(min_length=1)
     num_speculative_tokens: int = Field(1, ge=1, le=16)

@@ -119,7 +119,7 @@ class SpecDecoding:
             if k < 1:
                 continue
             reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
-                                     kv.block_table(req.request_id), req.cache_salt))
+                                     kv.block_table(req.request_id), req.cache_salt, req.params))
             targets.append(req)
         if not reqs:
             stats.spec_chosen_k = []
@@ -154,8 +154,12 @@ class SpecDecoding:
         # Per token made: for lookups every token looked up, not only the ones chosen (their time is spent
         # whatever the choice, and the few chosen under load would price a free draft like a dear one).
         made = sum(len(d) for d in drafts)
+        qs = self.proposer.draft_probs()
         for req, r, d in zip(targets, reqs, drafts, strict=True):
             req.spec_token_ids = list(d[: r.num_drafts])
+            q = qs.get(req.request_id)
+            if q is not None and req.spec_token_ids:
+                self.runner.draft_probs[req.request_id] = q[: len(req.spec_token_ids)]
         stats.spec_propose_seconds = seconds = time.monotonic() - t0
         if self.adaptive is not None:
             self.adaptive.observe_draft(made, seconds)

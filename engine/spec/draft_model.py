@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from engine.attention.cpu import cpu_paged_attention
 from engine.attention.reference import paged_attention_reference
@@ -24,6 +25,7 @@ from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.loader import LoadedModel
 from engine.runner import ModelRunner
+from engine.spec.draft_sampling import DraftDraws, samples
 from engine.spec.proposer import DraftRequest
 
 logger = logging.getLogger(__name__)
@@ -58,10 +60,15 @@ class DraftModelProposer:
     filters_drafts = False
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int,
-                 attention_fn: Callable[..., mx.array] = paged_attention_reference) -> None:
+                 attention_fn: Callable[..., mx.array] = paged_attention_reference,
+                 probabilistic: bool = False) -> None:
         """`attention_fn`: the target's attention backend; the draft runs the reference path instead
-        where the C kernel cannot read its cache (another dtype)."""
+        where the C kernel cannot read its cache (another dtype). `probabilistic`: sampled requests'
+        drafts are drawn from the draft model's distribution (draft_sample_method), not its argmax."""
         model = draft.model
+        self.probabilistic = probabilistic
+        self.vocab_size = draft.vocab_size
+        self._probs: dict[str, np.ndarray] = {}
         n_kv, head_dim = adapter.kv_shape(model)
         self.kv_cache = PagedKVCache(len(model.layers), num_blocks, block_size, n_kv, head_dim, draft.dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -90,7 +97,18 @@ class DraftModelProposer:
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return len(request.token_ids) - self._num_valid(request.request_id, request.token_ids)
 
+    def draft_probs(self) -> dict[str, np.ndarray]:
+        return self._probs
+
+    def _tokens(self, h: mx.array, reqs: list[DraftRequest], step: int, draws: DraftDraws) -> list[int]:
+        """The next draft per row of h: the argmax, or a draw for requests that sample."""
+        drawn = [samples(r, self.probabilistic) for r in reqs]
+        if not any(drawn):
+            return self.runner.greedy_tokens(h)
+        return draws.choose(adapter.compute_logits(self.runner.model, h), reqs, step, drawn)
+
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self._probs = {}
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, DraftRequest, int]] = []  # (index, request, first position to feed)
         keep = {r.request_id for r in requests}
@@ -104,8 +122,9 @@ class DraftModelProposer:
                 self._state.pop(r.request_id, None)
         if not active:
             return drafts
+        draws = DraftDraws(self.vocab_size)
         chunks = [(r.token_ids[c:], c, self.kv.block_table(r.request_id), 1) for _, r, c in active]
-        toks = self.runner.greedy_tokens(self.runner.forward_chunks(chunks))
+        toks = self._tokens(self.runner.forward_chunks(chunks), [r for _, r, _ in active], 0, draws)
         for (i, _, _), t in zip(active, toks, strict=True):
             drafts[i].append(t)
         step = 1
@@ -115,12 +134,13 @@ class DraftModelProposer:
                 break
             chunks = [([drafts[i][-1]], len(r.token_ids) + step - 1, self.kv.block_table(r.request_id), 1)
                       for i, r in live]
-            toks = self.runner.greedy_tokens(self.runner.forward_chunks(chunks))
+            toks = self._tokens(self.runner.forward_chunks(chunks), [r for _, r in live], step, draws)
             for (i, _), t in zip(live, toks, strict=True):
                 drafts[i].append(t)
             step += 1
         for i, r, _ in active:
             self._state[r.request_id] = _State(start=len(r.token_ids), fed=drafts[i][:-1])
+        self._probs = draws.result({r.request_id: len(drafts[i]) for i, r, _ in active})
         return drafts
 
     def _allocate(self, r: DraftRequest, c: int, keep: set[str]) -> bool:

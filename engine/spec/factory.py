@@ -47,9 +47,10 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
         from engine.spec.draft_model import DraftModelProposer
 
         assert draft is not None
+        probabilistic = spec.draft_sample_method == "probabilistic"
         if runner is None:
-            return DraftModelProposer(draft, num_blocks, block_size)
-        return DraftModelProposer(draft, num_blocks, block_size, runner.caches[0].attention_fn)
+            return DraftModelProposer(draft, num_blocks, block_size, probabilistic=probabilistic)
+        return DraftModelProposer(draft, num_blocks, block_size, runner.caches[0].attention_fn, probabilistic)
     if isinstance(spec, MTPConfig):
         from engine.models.mtp_assistant import load_assistant
         from engine.spec.mtp import MTPProposer
@@ -61,5 +62,6 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
         except OSError as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
         return MTPProposer(assistant, target, runner, spec.draft_min_token_prob,
-                           use_c=spec.draft_backend == "auto")
+                           use_c=spec.draft_backend == "auto",
+                           probabilistic=spec.draft_sample_method == "probabilistic")
     raise ValueError(f"unsupported speculative method {spec.method!r}")

@@ -22,6 +22,7 @@ from engine.models.loader import LoadedModel
 from engine.models.mtp_assistant import LoadedAssistant, make_caches
 from engine.runner import ModelRunner
 from engine.spec import mtp_cpu
+from engine.spec.draft_sampling import DraftDraws, samples
 from engine.spec.proposer import DraftRequest
 
 logger = logging.getLogger("specserve.mtp")
@@ -40,8 +41,14 @@ class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
     def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner,
-                 min_token_prob: float | list[float] = 0.0, use_c: bool = True) -> None:
+                 min_token_prob: float | list[float] = 0.0, use_c: bool = True,
+                 probabilistic: bool = False) -> None:
+        """`probabilistic`: sampled requests' drafts are drawn from the assistant's distribution
+        (draft_sample_method); a step with such a request runs the MLX passes (the C loop takes argmaxes)."""
         self.assistant = assistant
+        self.probabilistic = probabilistic
+        self.vocab_size = target.vocab_size
+        self._probs: dict[str, np.ndarray] = {}
         # Cut-off per draft position; positions past the list use its last value.
         self.cuts = list(min_token_prob) if isinstance(min_token_prob, list) else [min_token_prob]
         self.runner = runner
@@ -71,10 +78,14 @@ class MTPProposer:
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return self.draft(requests)[0]
 
+    def draft_probs(self) -> dict[str, np.ndarray]:
+        return self._probs
+
     def draft(self, requests: list[DraftRequest],
               keep_logits: bool = False) -> tuple[list[list[int]], list[mx.array]]:
         """Drafts per request, and (keep_logits) the assistant logits per step [N_active, head rows]
         (the full vocabulary unless the assistant's head scores a reduced one: `head_token_ids`)."""
+        self._probs = {}
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[_Active] = []
         for i, r in enumerate(requests):
@@ -86,7 +97,8 @@ class MTPProposer:
             active.append((i, r, pos, entry[1]))
         if not active:
             return drafts, []
-        if self.cpu is not None and not keep_logits:
+        drawn = [samples(r, self.probabilistic) for _, r, _, _ in active]
+        if self.cpu is not None and not keep_logits and not any(drawn):
             self._draft_cpu(active, drafts)
             return drafts, []
         kv = self.runner.kv
@@ -99,6 +111,7 @@ class MTPProposer:
         hidden = mx.stack([h for _, _, _, h in active])  # [N, backbone]
         k_max = max(r.num_drafts for _, r, _, _ in active)
         ids = self.assistant.head_token_ids
+        draws = DraftDraws(self.vocab_size, ids) if any(drawn) else None
         steps: list[mx.array] = []
         all_logits: list[mx.array] = []
         sure: list[mx.array] = []  # per step [N]: every draft token so far clears min_token_prob
@@ -106,9 +119,12 @@ class MTPProposer:
             embeds = self.embed_tokens(toks) * self.embed_scale
             x = mx.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1)  # [N, 2 * backbone]
             logits, hidden = self.assistant.module(x, positions, caches)
-            toks = mx.argmax(logits, axis=-1).astype(mx.int32)
-            if ids is not None:
-                toks = ids[toks]
+            if draws is not None:
+                toks = mx.array(draws.choose(logits, [r for _, r, _, _ in active], j, drawn), dtype=mx.int32)
+            else:
+                toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+                if ids is not None:
+                    toks = ids[toks]
             steps.append(toks)
             if keep_logits:
                 all_logits.append(logits)
@@ -123,6 +139,8 @@ class MTPProposer:
         out, lengths = tokens.tolist(), counts.tolist()
         for (i, r, _, _), row, n in zip(active, out, lengths, strict=True):
             drafts[i] = row[: min(r.num_drafts, int(n))]
+        if draws is not None:
+            self._probs = draws.result({r.request_id: len(drafts[i]) for i, r, _, _ in active})
         return drafts, all_logits
 
     def _draft_cpu(self, active: list[_Active], drafts: list[list[int]]) -> None:

@@ -63,5 +63,8 @@ class NgramProposer:
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return 0  # nothing to recompute before drafting
 
+    def draft_probs(self) -> dict[str, np.ndarray]:
+        return {}  # deterministic drafts
+
     def release(self, request_id: str, finished: bool) -> None:
         return None  # stateless

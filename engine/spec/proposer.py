@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
+from engine.sampling import SamplingParams
+
 
 @dataclass(slots=True)
 class DraftRequest:
@@ -22,6 +26,9 @@ class DraftRequest:
     # The request's cache_salt: state shared across requests (suffix decoding's past responses) is
     # only shared between requests of the same salt.
     cache_salt: str | None = None
+    # The request's sampling settings: drafters that sample (draft_sample_method "probabilistic") draw
+    # its drafts from their own distribution processed the same way.
+    params: SamplingParams | None = None
 
 
 class Proposer(Protocol):
@@ -43,6 +50,11 @@ class Proposer(Protocol):
         """Tokens the proposer would process for this request before its first draft (state that fell
         behind while the request was not drafting); the adaptive controller spaces out probes that need
         such a catch-up."""
+        ...
+
+    def draft_probs(self) -> dict[str, np.ndarray]:
+        """The distributions the last `propose` drew sampled drafts from: request id -> q [drafts, vocab]
+        (probabilistic drafting only: empty for deterministic drafts, which the coupled rule verifies)."""
         ...
 
     def release(self, request_id: str, finished: bool) -> None:

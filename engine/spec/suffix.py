@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.spec.proposer import DraftRequest
 
 
@@ -136,6 +138,9 @@ class SuffixProposer:
 
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return 0  # nothing to recompute before drafting
+
+    def draft_probs(self) -> dict[str, np.ndarray]:
+        return {}  # deterministic drafts
 
     def release(self, request_id: str, finished: bool) -> None:
         entry = self._local.pop(request_id, None)

@@ -33,6 +33,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     "mtp": {"method": "mtp", "model": str(ASSISTANT), "num_speculative_tokens": 2},
 }
+# Drafts drawn from the assistant's distribution: lossless in distribution, not the coupled draw.
+PROB_SPECS = {"mtp-prob": SPECS["mtp"] | {"draft_sample_method": "probabilistic"}}
 KW = {"max_model_len": 512, "kv_cache_memory": "256MiB"}
 
 
@@ -43,7 +45,7 @@ def plain_llm() -> Any:
 
 @functools.cache
 def spec_llm(method: str) -> Any:
-    return make_llm(speculative_config=SPECS[method], **KW)
+    return make_llm(speculative_config=(SPECS | PROB_SPECS)[method], **KW)
 
 
 def chat(llm: Any, text: str) -> list[int]:
@@ -126,7 +128,9 @@ def plain_first_tokens(text: str, temp: float, top_p: float) -> Counter[tuple[in
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "text", "temp", "top_p"), [("ngram", COPY, 1.0, 1.0),
                                                                 ("mtp", CHATS[1], 1.0, 1.0),
-                                                                ("mtp", CHATS[1], 0.7, 0.9)])
+                                                                ("mtp", CHATS[1], 0.7, 0.9),
+                                                                ("mtp-prob", CHATS[1], 1.0, 1.0),
+                                                                ("mtp-prob", CHATS[1], 0.7, 0.9)])
 def test_first_tokens_follow_plain_decodings_distribution(method: str, text: str, temp: float,
                                                           top_p: float) -> None:
     spec = spec_llm(method)
