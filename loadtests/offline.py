@@ -5,7 +5,8 @@ config, so no proposer state (suffix's response cache) leaks from one run into t
 generates the whole prompt set: `--num-prompts` requests (cycling through the dataset) submitted at
 once, at most `--max-num-seqs` in flight (1: one stream, one request after the other). After
 `--num-warmups` unmeasured runs per mode come `--repeats` rounds, each running every mode once in
-alternating order, so drift in the machine's speed hits every mode alike.
+alternating order, so drift in the machine's speed hits every mode alike. `--temperature 0,0.7,1` runs
+the whole comparison at each temperature in turn (sampled requests share `--seed`).
 
 With `--output-dir`, one JSON per mode in the format loadtests/data/spec_benchmark.schema.json describes
 (config, model paths and revisions, package versions, environment variables, BLAS, the prompts and their
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.repeats < 1 or args.num_warmups < 0 or args.max_tokens < 1:
         raise SystemExit("--num-prompts, --repeats and --max-tokens must be >= 1, --num-warmups >= 0")
+    temps = temperatures(args.temperature)
     default = [modes_mod.OFF] if args.speculative_config else modes_mod.available()
     chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config, default)
     items = load_dataset(args.dataset_name, args.data)
@@ -141,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
                "blas": {"name": blas.name, "path": blas.path, "reason": blas.reason}}
     common = {"args": args, "loaded": loaded, "runtime": runtime, "prompts": prompts, "load_s": load_s,
               "batch_size": min(n, args.max_num_seqs)}
-    temps = temperatures(args.temperature)
     all_docs: dict[str, dict[str, Any]] = {}
     all_rows: list[dict[str, Any]] = []
     for temp in temps:

@@ -1,5 +1,6 @@
 // The draft loop of a trained MTP assistant (engine/models/mtp_trained.py) for a few requests, on the CPU:
-// mtp_draft runs MTPProposer.draft's passes, cut-offs and early stop; mtp_pass is one pass.
+// mtp_draft runs MTPProposer.draft's passes, cut-offs and early stop; mtp_pass is one pass; mtp_step is
+// one pass returning the head's logits, for drafts drawn in Python.
 //
 // Why C: through MLX, an assistant pass is dozens of small ops, each built in Python and dispatched
 // on its own, over a few million float32 weights that the target's step has evicted from the caches.
@@ -101,10 +102,11 @@ static void attend(const Assistant *a, const float *q, int pos, const int32_t *t
 // One pass for n requests. x: [n, 2 * backbone] = [scaled target embedding of the newest token, hidden
 // state]; pos[r]: the query position (keys 0..pos-1 exist); tables: [n, table_len] block ids.
 // Out: best[r] (head row of the argmax), prob[r] (its softmax probability), next_hidden [n, backbone]
-// (post_projection) when not NULL. Returns 0, or -1 when scratch memory cannot be had.
+// (post_projection) and logits_out [n, head_size] when not NULL. Returns 0, or -1 when scratch memory
+// cannot be had.
 static int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *pos, const int32_t *tables,
                     int table_len, int block_size, const float *kc, const float *vc, long slots,
-                    int32_t *best, float *prob, float *next_hidden) {
+                    int32_t *best, float *prob, float *next_hidden, float *logits_out) {
     const int d = a->hidden, qd = a->heads * a->head_dim;
     int max_pos = 1;
     for (int r = 0; r < n; r++) max_pos = pos[r] > max_pos ? pos[r] : max_pos;
@@ -145,8 +147,40 @@ static int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *po
         prob[r] = (float)(1.0 / sum);
     }
     if (next_hidden) gemv_f16(a->post, a->backbone, d, t, n, next_hidden);
+    if (logits_out) memcpy(logits_out, logits, sizeof(float) * (size_t)n * a->head_size);
     free(buf);
     return 0;
+}
+
+// Fill x [n, 2 * backbone] with each request's scaled token embedding and hidden row.
+static void pass_input(int n, int b, const int32_t *tok, const float *hidden, const float *embed,
+                       float embed_scale, float *x) {
+    for (int r = 0; r < n; r++) {
+        const float *e = embed + (size_t)tok[r] * b;
+        float *xr = x + (size_t)r * 2 * b;
+        for (int i = 0; i < b; i++) xr[i] = e[i] * embed_scale;
+        memcpy(xr + b, hidden + (size_t)r * b, sizeof(float) * b);
+    }
+}
+
+// One pass for drafters that choose tokens themselves (draws from the assistant's distribution): the
+// head's logits [n, head_size] and, when not NULL, the next hidden rows [n, backbone] (in place of
+// hidden is allowed). tokens: each request's newest token id. Returns 0, or -1 (no memory).
+int mtp_step(const Assistant *a, int n, const int32_t *tokens, float *hidden, const float *embed,
+             float embed_scale, const int32_t *pos, const int32_t *tables, int table_len, int block_size,
+             const float *kc, const float *vc, long slots, float *logits, float *next_hidden) {
+    const int b = a->backbone;
+    float *x = malloc(sizeof(float) * ((size_t)n * 2 * b + n));
+    int32_t *best = malloc(sizeof(int32_t) * (size_t)n);
+    int rc = -1;
+    if (x && best) {
+        pass_input(n, b, tokens, hidden, embed, embed_scale, x);
+        rc = mtp_pass(a, n, x, pos, tables, table_len, block_size, kc, vc, slots, best,
+                      x + (size_t)n * 2 * b, next_hidden, logits);
+    }
+    free(x);
+    free(best);
+    return rc;
 }
 
 // MTPProposer.draft's loop (engine/spec/mtp.py) in one call, so that no Python runs between passes:
@@ -175,14 +209,9 @@ int mtp_draft(const Assistant *a, int n, const int64_t *tokens, float *hidden, c
     }
     int rc = 0, going = n;
     for (int j = 0; j < max_k && going > 0; j++) {
-        for (int r = 0; r < n; r++) {
-            const float *e = embed + (size_t)tok[r] * b;
-            float *xr = x + (size_t)r * 2 * b;
-            for (int i = 0; i < b; i++) xr[i] = e[i] * embed_scale;
-            memcpy(xr + b, hidden + (size_t)r * b, sizeof(float) * b);
-        }
+        pass_input(n, b, tok, hidden, embed, embed_scale, x);
         rc = mtp_pass(a, n, x, pos, tables, table_len, block_size, kc, vc, slots, best, prob,
-                      j + 1 < max_k ? hidden : NULL);
+                      j + 1 < max_k ? hidden : NULL, NULL);
         if (rc) break;
         const float cut = cuts[j < ncuts ? j : ncuts - 1];
         going = 0;

@@ -166,9 +166,10 @@ class SuffixConfig(_Base):
 
 class _ModelDrafter(_Base):
     # How a drafting model picks sampled requests' drafts (greedy requests always get its argmax).
-    # greedy: its argmax, verified by the coupled rule (seeded output equals plain decoding's);
-    # probabilistic: a draw from its own processed distribution q, verified with min(1, p/q).
-    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    # probabilistic: a draw from its own processed distribution q, verified with min(1, p/q) (the default:
+    # faster from temperature ~0.7 up, where chat traffic runs; docs/performance.md); greedy: its argmax,
+    # verified by the coupled rule, so a seeded request's output is plain decoding's token for token.
+    draft_sample_method: Literal["greedy", "probabilistic"] = "probabilistic"
 
 
 class DraftModelConfig(_ModelDrafter):

@@ -98,8 +98,8 @@ class MTPProposer:
         if not active:
             return drafts, []
         drawn = [samples(r, self.probabilistic) for _, r, _, _ in active]
-        if self.cpu is not None and not keep_logits and not any(drawn):
-            self._draft_cpu(active, drafts)
+        if self.cpu is not None and not keep_logits:
+            self._draft_cpu(active, drafts, drawn)
             return drafts, []
         kv = self.runner.kv
         # Queries sit at `pos`; the mask is built one position earlier so keys stop at pos - 1
@@ -143,25 +143,64 @@ class MTPProposer:
             self._probs = draws.result({r.request_id: len(drafts[i]) for i, r, _, _ in active})
         return drafts, all_logits
 
-    def _draft_cpu(self, active: list[_Active], drafts: list[list[int]]) -> None:
-        """`draft` through the C loop: the same passes, cut-offs and early stop as the MLX path."""
-        assert self.cpu is not None
+    def _cpu_inputs(self, active: list[_Active]) -> tuple[list[_Active], np.ndarray, np.ndarray]:
+        """The C loop's inputs: the requests it can serve, their block tables [n, L] and hidden rows."""
         kv = self.runner.kv
         # The C loop reads keys 0..pos-1 through the block table without bounds checks: a table too short
         # for its position (never expected) gets no drafts here instead of a read past its end.
         active = [a for a in active if a[2] <= len(a[1].block_table or []) * kv.block_size]
         if not active:
-            return
+            return active, np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32)
         reqs = [r for _, r, _, _ in active]
         tables = np.zeros((len(reqs), max(len(r.block_table or []) for r in reqs)), dtype=np.int32)
         for row, r in enumerate(reqs):
             tables[row, : len(r.block_table or [])] = r.block_table
-        hidden = np.asarray(mx.stack([h for _, _, _, h in active]).astype(mx.float32))
+        hidden = np.array(mx.stack([h for _, _, _, h in active]).astype(mx.float32))  # a copy
+        return active, tables, hidden
+
+    def _draft_cpu(self, active: list[_Active], drafts: list[list[int]], drawn: list[bool]) -> None:
+        """`draft` through the C passes: the same cut-offs and early stop as the MLX path. One call runs
+        every pass unless a request draws its drafts (`drawn`): then the passes run one at a time, the
+        tokens chosen in Python between them."""
+        assert self.cpu is not None
+        draws_of = {a[0]: d for a, d in zip(active, drawn, strict=True)}
+        active, tables, hidden = self._cpu_inputs(active)
+        if not active:
+            return
+        kv = self.runner.kv
         keys, values = kv.blocks(self.assistant.target_layers[0])
-        out = self.cpu.draft([r.token_ids[-1] for r in reqs], hidden, [p for _, _, p, _ in active], tables,
-                             kv.block_size, keys, values, self.cuts, [r.num_drafts for r in reqs])
-        for (i, _, _, _), d in zip(active, out, strict=True):
-            drafts[i] = d
+        reqs = [r for _, r, _, _ in active]
+        positions = [p for _, _, p, _ in active]
+        if not any(draws_of[i] for i, _, _, _ in active):
+            out = self.cpu.draft([r.token_ids[-1] for r in reqs], hidden, positions, tables, kv.block_size,
+                                 keys, values, self.cuts, [r.num_drafts for r in reqs])
+            for (i, _, _, _), d in zip(active, out, strict=True):
+                drafts[i] = d
+            return
+        draws = DraftDraws(self.vocab_size, self.assistant.head_token_ids)
+        toks = [r.token_ids[-1] for r in reqs]
+        going = list(range(len(reqs)))  # rows still drafting
+        for j in range(max(r.num_drafts for r in reqs)):
+            rows_hidden = np.ascontiguousarray(hidden[going])  # [g, backbone], the next rows in place
+            logits = mx.array(self.cpu.step([toks[g] for g in going], rows_hidden,
+                                            [positions[g] for g in going], tables[going], kv.block_size,
+                                            keys, values))  # [g, head_size]
+            hidden[going] = rows_hidden
+            chosen = draws.choose(logits, [reqs[g] for g in going], j,
+                                  [draws_of[active[g][0]] for g in going])
+            sure = (top_token_prob(logits) >= self.cuts[min(j, len(self.cuts) - 1)]).tolist()
+            still = []
+            for g, t, ok in zip(going, chosen, sure, strict=True):
+                if not ok:
+                    continue  # its draft ends before this token
+                drafts[active[g][0]].append(t)
+                toks[g] = t
+                if len(drafts[active[g][0]]) < reqs[g].num_drafts:
+                    still.append(g)
+            if not still:
+                break
+            going = still
+        self._probs = draws.result({r.request_id: len(drafts[i]) for i, r, _, _ in active})
 
     def catch_up_tokens(self, request: DraftRequest) -> int:
         return 0  # nothing to recompute before drafting

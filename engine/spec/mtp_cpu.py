@@ -68,6 +68,7 @@ class CpuAssistant:
         assert table is not None
         self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", compile_flags(CPU_FEATURES))))
         self.lib.mtp_draft.restype = ctypes.c_int
+        self.lib.mtp_step.restype = ctypes.c_int
         c = net.config
         self.backbone = int(c["backbone_hidden_size"])
         mats = {"pre": net.pre_projection, "q": net.self_attn.q_proj, "o": net.self_attn.o_proj,
@@ -91,6 +92,16 @@ class CpuAssistant:
             raise ValueError(f"the target's embedding table {table.shape} does not fit the assistant "
                              f"(backbone_hidden_size {self.backbone}, vocab_ids up to {self.head_ids.max()})")
 
+    def _cache(self, keys: mx.array, values: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """Zero-copy views of the evaluated cache, checked against the assistant's sizes (the C loop
+        reads [kv_heads, slots, head_dim] without bounds checks)."""
+        k = np.asarray(memoryview(keys))
+        v = np.asarray(memoryview(values))
+        if k.shape != v.shape or k.shape[0] != self.spec.kv_heads or k.shape[2] != self.spec.head_dim:
+            raise ValueError(f"mtp_draft: KV cache {k.shape} does not match the assistant's "
+                             f"{self.spec.kv_heads} KV heads x {self.spec.head_dim}")
+        return k, v
+
     def draft(self, tokens: list[int], hidden: np.ndarray, positions: list[int], tables: np.ndarray,
               block_size: int, keys: mx.array, values: mx.array, cuts: list[float], want: list[int]
               ) -> list[list[int]]:
@@ -104,12 +115,7 @@ class CpuAssistant:
         tab = np.ascontiguousarray(tables, dtype=np.int32)
         cut = np.array(cuts, dtype=np.float32)
         wanted = np.array(want, dtype=np.int32)
-        k = np.asarray(memoryview(keys))  # zero-copy views of the evaluated cache
-        v = np.asarray(memoryview(values))
-        # The C loop reads [kv_heads, slots, head_dim] with the checkpoint's sizes (checked at load).
-        if k.shape != v.shape or k.shape[0] != self.spec.kv_heads or k.shape[2] != self.spec.head_dim:
-            raise ValueError(f"mtp_draft: KV cache {k.shape} does not match the assistant's "
-                             f"{self.spec.kv_heads} KV heads x {self.spec.head_dim}")
+        k, v = self._cache(keys, values)
         out = np.empty((n, max_k), dtype=np.int32)
         lengths = np.empty(n, dtype=np.int32)
         rc = self.lib.mtp_draft(
@@ -120,6 +126,26 @@ class CpuAssistant:
         if rc != 0:
             raise MemoryError("mtp_draft could not allocate its scratch memory")
         return [row[:n_r] for row, n_r in zip(out.tolist(), lengths.tolist(), strict=True)]
+
+    def step(self, tokens: list[int], hidden: np.ndarray, positions: list[int], tables: np.ndarray,
+             block_size: int, keys: mx.array, values: mx.array) -> np.ndarray:
+        """One pass: the head's logits [n, head_size]; `hidden` [n, backbone] float32 becomes the next
+        pass's hidden rows in place. Arguments as `draft`'s."""
+        n = len(tokens)
+        toks = np.array(tokens, dtype=np.int32)
+        pos = np.array(positions, dtype=np.int32)
+        tab = np.ascontiguousarray(tables, dtype=np.int32)
+        k, v = self._cache(keys, values)
+        if hidden.dtype != np.float32 or not hidden.flags.c_contiguous or hidden.shape != (n, self.backbone):
+            raise ValueError(f"mtp_step: hidden must be a contiguous float32 [{n}, {self.backbone}] array")
+        logits = np.empty((n, self.spec.head_size), dtype=np.float32)
+        rc = self.lib.mtp_step(
+            ctypes.byref(self.spec), ctypes.c_int(n), _ptr(toks), _ptr(hidden), _ptr(self.embed),
+            self.embed_scale, _ptr(pos), _ptr(tab), ctypes.c_int(tab.shape[1]), ctypes.c_int(block_size),
+            _ptr(k), _ptr(v), ctypes.c_long(k.shape[1]), _ptr(logits), _ptr(hidden))
+        if rc != 0:
+            raise MemoryError("mtp_step could not allocate its scratch memory")
+        return logits
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:

@@ -111,3 +111,20 @@ def test_k_variants_labelled_configs_and_one_stream(tmp_path: Path) -> None:
         assert validate(doc) == []
         assert doc["config"]["batch_size"] == 1 and len(doc["warmup_runs"]) == 1
         assert len(doc["runs"][0]["token_ids"]) == 2
+
+
+def test_temperature_list_runs_every_mode_at_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "offline", "--modes", "off,ngram", "--temperature", "0,0.8", "--dataset-name", "copy",
+               "--num-prompts", "2", "--max-num-seqs", "2", "--max-tokens", "6", "--repeats", "1",
+               "--num-warmups", "0", "--kv-cache-memory", "256MiB", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    docs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert {(d["label"], d["config"]["temperature"]) for d in docs.values()} == {
+        ("off", 0.0), ("ngram", 0.0), ("off", 0.8), ("ngram", 0.8)}
+    for doc in docs.values():
+        assert validate(doc) == []
+    table = (tmp_path / "summary.md").read_text()
+    assert "| temperature |" in table and "| ngram | 0.8 |" in table
+    assert "t=0.8" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--temperature"):
+        main(["bench", "offline", "--temperature", "0,-1"])

@@ -26,7 +26,8 @@ def test_trained_assistant_is_exact_at_batch_1_and_8(target, k: int) -> None:  #
     kw = dict(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False)
     plain = LLM(loaded=target, **kw)
     spec = LLM(loaded=target, speculative_config={"method": "mtp", "model": str(ASSISTANT),
-                                                  "num_speculative_tokens": k}, **kw)
+                                                  "num_speculative_tokens": k,
+                                                  "draft_sample_method": "greedy"}, **kw)
     prompts = [plain.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS[:8]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=7 + i, ignore_eos=True) for i in range(2)]
@@ -64,9 +65,9 @@ def test_min_token_prob_drafts_fewer_surer_tokens(target) -> None:  # noqa: ANN0
     assert 0 < made < made0 and acc / made > acc0 / made0, counts
 
 
-def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN001
-    """engine/cpu/mtp.c against the MLX module on real states of the default model: the same drafts
-    (K = 3) for 8 requests drafted together and one at a time, with and without cut-offs."""
+def _drafting_core(target, params: list[SamplingParams] | None = None):  # noqa: ANN001, ANN202
+    """An MTP engine core with 8 chat requests prefilled, its proposer, and one DraftRequest (K = 3) per
+    request at its first token (with `params`' sampling settings)."""
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.llm import chat_prompt_ids
@@ -86,8 +87,18 @@ def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN0
         outs, _ = core.step()
         for o in outs:
             first.setdefault(o.request_id, o.new_token_ids[0])
-    reqs = [DraftRequest(f"r{i}", [*p, first[f"r{i}"]], len(p), 3, core.kv.block_table(f"r{i}"))
+    reqs = [DraftRequest(f"r{i}", [*p, first[f"r{i}"]], len(p), 3, core.kv.block_table(f"r{i}"),
+                         params=params[i] if params else None)
             for i, p in enumerate(prompts)]
+    return core, prop, prompts, reqs
+
+
+def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN001
+    """engine/cpu/mtp.c against the MLX module on real states of the default model: the same drafts
+    (K = 3) for 8 requests drafted together and one at a time, with and without cut-offs."""
+    from engine.spec.proposer import DraftRequest
+
+    core, prop, prompts, reqs = _drafting_core(target)
     for cuts in (0.0, [0.3, 0.15]):
         prop.cuts = cuts if isinstance(cuts, list) else [cuts]
         batch_c = prop.draft(reqs)[0]
@@ -105,3 +116,34 @@ def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN0
     for i in range(len(prompts)):
         core.abort_request(f"r{i}")
     assert core.kv.num_free_blocks == core.kv.pool.num_blocks
+
+
+def test_c_passes_draw_what_the_mlx_module_draws(target) -> None:  # noqa: ANN001
+    """Probabilistic drafting through the C passes (mtp_step, tokens drawn in Python) against the MLX
+    module: the same seeded draws and distributions q for sampled requests, the argmax for greedy ones,
+    with and without cut-offs."""
+    import numpy as np
+
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if i % 4 == 1 else 1.0, seed=40 + i) if i % 2
+              else SamplingParams(temperature=0.0) for i in range(8)]
+    core, prop, prompts, reqs = _drafting_core(target, params)
+    prop.probabilistic = True
+    for cuts in (0.0, [0.3, 0.15]):
+        prop.cuts = cuts if isinstance(cuts, list) else [cuts]
+        batch_c, q_c = prop.draft(reqs)[0], prop.draft_probs()
+        batch_mlx, q_mlx = prop.draft(reqs, keep_logits=True)[0], prop.draft_probs()
+        assert batch_c == batch_mlx, cuts
+        assert sorted(q_c) == sorted(q_mlx) == sorted(f"r{i}" for i in range(8) if i % 2 and batch_c[i])
+        for rid, q in q_c.items():
+            d = batch_c[int(rid[1:])]
+            assert q.shape == (len(d), core.loaded.vocab_size)
+            np.testing.assert_allclose(q, q_mlx[rid], atol=1e-4)
+            np.testing.assert_allclose(q.sum(axis=1), 1.0, atol=1e-4)
+            assert all(q[j, t] > 0 for j, t in enumerate(d))
+        greedy = [i for i in range(8) if i % 2 == 0]
+        prop.probabilistic = False
+        argmax = prop.draft([reqs[i] for i in greedy])[0]
+        prop.probabilistic = True
+        assert [batch_c[i] for i in greedy] == argmax
+    for i in range(len(prompts)):
+        core.abort_request(f"r{i}")

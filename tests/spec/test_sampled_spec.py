@@ -31,7 +31,8 @@ COPY = ("Repeat this text exactly, word for word: The quick brown fox jumps over
 SPECS: dict[str, dict[str, Any]] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
-    "mtp": {"method": "mtp", "model": str(ASSISTANT), "num_speculative_tokens": 2},
+    "mtp": {"method": "mtp", "model": str(ASSISTANT), "num_speculative_tokens": 2,
+            "draft_sample_method": "greedy"},
 }
 # Drafts drawn from the assistant's distribution: lossless in distribution, not the coupled draw.
 PROB_SPECS = {"mtp-prob": SPECS["mtp"] | {"draft_sample_method": "probabilistic"}}

@@ -50,7 +50,9 @@ def plain() -> list[list[int]]:
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
-    "draft_model": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3},
+    # greedy drafts: seeded sampled requests below must equal plain decoding (the coupled rule)
+    "draft_model": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3,
+                    "draft_sample_method": "greedy"},
 }
 
 
