@@ -117,8 +117,8 @@ def _threshold(row: np.ndarray, top_k: int, top_p: float) -> float:
             return float(cand[k - 1])
         top = cand[:k]
         # top_p applies to the top-k survivors renormalised, or to the whole vocab without top-k
-        z = np.exp(top - top[0]).sum() if top_k else np.exp(row - top[0]).sum(dtype=np.float64)
-        probs = np.exp(top - top[0]) / z  # [k]
+        e = np.exp(top - top[0])  # [k]
+        probs = e / (e.sum() if top_k else np.exp(row - top[0]).sum(dtype=np.float64))
         mass_before = np.cumsum(probs) - probs  # non-decreasing: the kept tokens are a prefix
         count = max(1, int(np.count_nonzero(mass_before < top_p)))
         if count < c or top_k or c == vocab:

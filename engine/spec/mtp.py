@@ -44,7 +44,7 @@ class MTPProposer:
                  min_token_prob: float | list[float] = 0.0, use_c: bool = True,
                  probabilistic: bool = False) -> None:
         """`probabilistic`: sampled requests' drafts are drawn from the assistant's distribution
-        (draft_sample_method); a step with such a request runs the MLX passes (the C loop takes argmaxes)."""
+        (draft_sample_method); with the C passes a step with such a request runs them one at a time."""
         self.assistant = assistant
         self.probabilistic = probabilistic
         self.vocab_size = target.vocab_size
@@ -143,33 +143,24 @@ class MTPProposer:
             self._probs = draws.result({r.request_id: len(drafts[i]) for i, r, _, _ in active})
         return drafts, all_logits
 
-    def _cpu_inputs(self, active: list[_Active]) -> tuple[list[_Active], np.ndarray, np.ndarray]:
-        """The C loop's inputs: the requests it can serve, their block tables [n, L] and hidden rows."""
-        kv = self.runner.kv
-        # The C loop reads keys 0..pos-1 through the block table without bounds checks: a table too short
-        # for its position (never expected) gets no drafts here instead of a read past its end.
-        active = [a for a in active if a[2] <= len(a[1].block_table or []) * kv.block_size]
-        if not active:
-            return active, np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32)
-        reqs = [r for _, r, _, _ in active]
-        tables = np.zeros((len(reqs), max(len(r.block_table or []) for r in reqs)), dtype=np.int32)
-        for row, r in enumerate(reqs):
-            tables[row, : len(r.block_table or [])] = r.block_table
-        hidden = np.array(mx.stack([h for _, _, _, h in active]).astype(mx.float32))  # a copy
-        return active, tables, hidden
-
     def _draft_cpu(self, active: list[_Active], drafts: list[list[int]], drawn: list[bool]) -> None:
         """`draft` through the C passes: the same cut-offs and early stop as the MLX path. One call runs
         every pass unless a request draws its drafts (`drawn`): then the passes run one at a time, the
         tokens chosen in Python between them."""
         assert self.cpu is not None
         draws_of = {a[0]: d for a, d in zip(active, drawn, strict=True)}
-        active, tables, hidden = self._cpu_inputs(active)
+        kv = self.runner.kv
+        # The C loop reads keys 0..pos-1 through the block table without bounds checks: a table too short
+        # for its position (never expected) gets no drafts here instead of a read past its end.
+        active = [a for a in active if a[2] <= len(a[1].block_table or []) * kv.block_size]
         if not active:
             return
-        kv = self.runner.kv
-        keys, values = kv.blocks(self.assistant.target_layers[0])
         reqs = [r for _, r, _, _ in active]
+        tables = np.zeros((len(reqs), max(len(r.block_table or []) for r in reqs)), dtype=np.int32)
+        for row, r in enumerate(reqs):
+            tables[row, : len(r.block_table or [])] = r.block_table
+        hidden = np.asarray(mx.stack([h for _, _, _, h in active]).astype(mx.float32))
+        keys, values = kv.blocks(self.assistant.target_layers[0])
         positions = [p for _, _, p, _ in active]
         if not any(draws_of[i] for i, _, _, _ in active):
             out = self.cpu.draft([r.token_ids[-1] for r in reqs], hidden, positions, tables, kv.block_size,
@@ -178,6 +169,7 @@ class MTPProposer:
                 drafts[i] = d
             return
         draws = DraftDraws(self.vocab_size, self.assistant.head_token_ids)
+        hidden = np.array(hidden)  # the passes overwrite it
         toks = [r.token_ids[-1] for r in reqs]
         going = list(range(len(reqs)))  # rows still drafting
         for j in range(max(r.num_drafts for r in reqs)):
