@@ -19,6 +19,7 @@ def cache_dir() -> Path:
 
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+Quantization = Literal["q8", "q4"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -68,6 +69,8 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF folder, GGUF file, Hub id; None: default model")
     revision: str | None = None
     dtype: DType = "auto"
+    # Quantize a float checkpoint at load with MLX's affine quantizer (group 64); None: as stored.
+    quantization: Quantization | None = None
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)

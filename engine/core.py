@@ -13,6 +13,7 @@ from engine.attention.cpu import cpu_paged_attention
 from engine.attention.reference import paged_attention_reference
 from engine.attention.selector import cpu_attention_fits, select_attention
 from engine.config import EngineConfig
+from engine.cpu.layers import build_stack
 from engine.detokenize import IncrementalDetokenizer, StopMatcher
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
@@ -45,7 +46,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.revision,
-                                           config.chat_template, progress=config.show_progress)
+                                           config.chat_template, progress=config.show_progress,
+                                           quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.model
         self.max_model_len = self._resolve_max_model_len()
@@ -87,6 +89,11 @@ class EngineCore:
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size
+        stack, why = build_stack(model, self.kv_cache, adapter.layer_windows(model),
+                                 attention_fn is cpu_paged_attention, self.loaded.config)
+        self.runner.stack = stack
+        logger.info("weights: %s; layers: %s", self.loaded.precision,
+                    why if stack else f"MLX modules ({why})")
         self.speculation: SpecDecoding | None = None
         if self.spec is not None:
             self.speculation = SpecDecoding(self.spec, draft, draft_blocks, bs, self.loaded, self.runner,

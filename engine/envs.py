@@ -26,6 +26,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "reference, or the path of a library exporting plain cblas_* symbols"),
     EnvVar("SPECSERVE_SMALL_GEMM", "on", "the small-M GEMM kernel in front of the BLAS (x86-64 Linux)",
            ("on", "off")),
+    EnvVar("SPECSERVE_CPU_LAYERS", "on", "llama-family decoder layers in one C call per step on AVX-512 CPUs "
+           "(engine/cpu/layers.c); off: the MLX modules", ("on", "off")),
     EnvVar("SPECSERVE_MALLOC", "tuned", "glibc malloc: one arena with fixed thresholds (tuned) or glibc's "
            "own behaviour (default)", ("tuned", "default")),
 )}

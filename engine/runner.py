@@ -10,6 +10,7 @@ import numpy as np
 
 from engine.attention.reference import paged_attention_reference
 from engine.attention.types import build_metadata
+from engine.cpu.layers import CpuLayerStack
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
@@ -34,6 +35,8 @@ class ModelRunner:
         # drafts now being verified, for probabilistic drafters: request id -> q [K, vocab].
         self.rejection = RejectionConfig()
         self.draft_probs: dict[str, np.ndarray] = {}
+        # The decoder layers in one C call (engine/cpu/layers.py), set by the engine where it applies.
+        self.stack: CpuLayerStack | None = None
         adapter.install(model)
         windows = adapter.layer_windows(model)
         self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
@@ -54,7 +57,10 @@ class ModelRunner:
             rows.extend(range(len(tokens) - num_logits, len(tokens)))
         try:
             ids = mx.array(tokens, dtype=mx.int32)
-            h = adapter.hidden_states(self.model, ids, self.caches)  # [T, hidden]
+            if self.stack is not None:
+                h = self.stack.hidden_states(ids, meta)
+            else:
+                h = adapter.hidden_states(self.model, ids, self.caches)  # [T, hidden]
         finally:
             for c in self.caches:
                 c.meta = None

@@ -70,6 +70,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="target: HF folder, GGUF or Hub id (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--precisions", default=None, metavar="LIST",
+                   help="comma-separated weight precisions to compare (auto, float32, bfloat16, float16, q8, "
+                        "q4): every mode at each, interleaved, plus agreement with float32")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per run (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests in flight (1: one stream; default: %(default)s, all at once)")

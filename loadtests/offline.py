@@ -6,7 +6,11 @@ generates the whole prompt set: `--num-prompts` requests (cycling through the da
 once, at most `--max-num-seqs` in flight (1: one stream, one request after the other). After
 `--num-warmups` unmeasured runs per mode come `--repeats` rounds, each running every mode once in
 alternating order, so drift in the machine's speed hits every mode alike. `--temperature 0,0.7,1` runs
-the whole comparison at each temperature in turn (sampled requests share `--seed`).
+the whole comparison at each temperature in turn (sampled requests share `--seed`). `--precisions
+float32,bfloat16,q8,auto` loads the target once per weight precision and runs every (precision, mode)
+pair in the same interleaved rounds; each precision's modes are compared with its own `off`, and every
+run with float32's `off`; a second table gives each precision's top-1 agreement with float32 and its
+perplexity on held-out text (loadtests/quality.py).
 
 With `--output-dir`, one JSON per mode in the format loadtests/data/spec_benchmark.schema.json describes
 (config, model paths and revisions, package versions, environment variables, BLAS, the prompts and their
@@ -30,6 +34,7 @@ from typing import Any
 from loadtests import modes as modes_mod
 from loadtests.datasets import WorkItem, load_dataset
 from loadtests.prom import SpecCounters, acceptance_summary, merge_spec
+from loadtests.quality import held_out_ids, load_args, precision_list, quality, quality_table
 from loadtests.report import package_versions, slug
 
 SCHEMA_VERSION = 1
@@ -126,8 +131,15 @@ def run(args: argparse.Namespace) -> int:
     chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config, default)
     items = load_dataset(args.dataset_name, args.data)
     t_load = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, progress=False)
+    precisions: list[str | None] = precision_list(args.precisions) if args.precisions else [None]
+    targets = {p: load_model(args.model, progress=False,
+                             **(load_args(p) if p else {"dtype": args.dtype}))  # type: ignore[arg-type]
+               for p in precisions}
+    loaded = targets[precisions[0]]
     load_s = time.perf_counter() - t_load
+    qualities = _qualities(args, targets) if args.precisions else {}
+    # (precision, mode) per label; one precision keeps the plain mode labels
+    pairs = {(f"{p} {m}" if p else m): (p, m) for p in precisions for m in chosen}
     n = args.num_prompts
     used = items[:n]
     prompts = prompt_records(used, loaded.tokenizer, not args.skip_chat_template)
@@ -141,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                "engine_version": engine.__version__, "packages": package_versions(_PACKAGES),
                "device": str(mx.default_device()),
                "blas": {"name": blas.name, "path": blas.path, "reason": blas.reason}}
-    common = {"args": args, "loaded": loaded, "runtime": runtime, "prompts": prompts, "load_s": load_s,
+    common = {"args": args, "runtime": runtime, "prompts": prompts, "load_s": load_s,
               "batch_size": min(n, args.max_num_seqs)}
     all_docs: dict[str, dict[str, Any]] = {}
     all_rows: list[dict[str, Any]] = []
@@ -151,33 +163,55 @@ def run(args: argparse.Namespace) -> int:
                                  seed=args.seed if temp > 0 else None) for i in range(n)]
 
         def measure(label: str, tag: str, params: list[Any] = params) -> tuple[dict[str, Any], Any]:
-            llm = LLM(loaded=loaded, speculative_config=chosen[label], **kw)
+            prec, mode = pairs[label]
+            llm = LLM(loaded=targets[prec], speculative_config=chosen[mode], **kw)
             return run_batch(llm, batch, params, tag), llm.core.spec
 
         where = f" t={temp:g}" if len(temps) > 1 else ""
-        warm: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
-        for label in chosen:
+        warm: dict[str, list[dict[str, Any]]] = {label: [] for label in pairs}
+        for label in pairs:
             for i in range(args.num_warmups):
                 warm[label].append(measure(label, f"w{i}")[0])
-        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in chosen}
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in pairs}
         parsed: dict[str, Any] = {}
         for rep in range(args.repeats):
-            order = list(chosen) if rep % 2 == 0 else list(chosen)[::-1]
+            order = list(pairs) if rep % 2 == 0 else list(pairs)[::-1]
             for label in order:
                 res, parsed[label] = measure(label, f"r{rep}")
                 runs[label].append({"repeat": rep, **res})
                 acc = f", acceptance {res['spec']['acceptance_rate'] or 0:.2f}" if res["spec"] else ""
                 print(f"[round {rep}{where}] {label:>18}: {res['output_tokens_per_s'] or 0:7.1f} tok/s{acc}",
                       flush=True)
-        docs = {label: document(label, parsed[label], runs[label], warm[label], temperature=temp, **common)
-                for label in chosen}
-        all_rows += [{**row, "temperature": temp} for row in summary_rows(docs)]
+        docs = {label: document(label, parsed[label], runs[label], warm[label], temperature=temp,
+                                loaded=targets[pairs[label][0]], precision=pairs[label][0],
+                                quality=qualities.get(pairs[label][0]), **common)
+                for label in pairs}
+        rows: list[dict[str, Any]] = []
+        for prec in precisions:
+            rows += summary_rows({k: d for k, d in docs.items() if pairs[k][0] == prec})
+        ref_label = next((k for k, (p, m) in pairs.items() if p == "float32" and chosen[m] is None), None)
+        if ref_label is not None:
+            ref_tps = docs[ref_label]["summary"]["output_tokens_per_s"]["mean"]
+            for row in rows:
+                row["vs_float32"] = row["tok_s"] / ref_tps if ref_tps and row["tok_s"] else None
+        all_rows += [{**row, "temperature": temp} for row in rows]
         all_docs.update({f"{label}{where}": doc for label, doc in docs.items()})
     table = summary_table(all_rows, with_temperature=len(temps) > 1)
+    if qualities:
+        table += "\n\n" + quality_table({p: (targets[p].precision, q) for p, q in qualities.items()})
     print("\n" + table)
     if args.output_dir:
         write(all_docs, table, Path(args.output_dir))
     return 1 if any(r["same_ids"] is False for r in all_rows) else 0
+
+
+def _qualities(args: argparse.Namespace, targets: dict[Any, Any]) -> dict[str, dict[str, Any]]:
+    """Each precision's agreement with float32 on held-out text (float32 loaded for it if not listed)."""
+    from engine.models.loader import load_model
+
+    ref = targets.get("float32") or load_model(args.model, dtype="float32", progress=False)
+    texts = held_out_ids(ref.tokenizer)
+    return {p: quality(t, ref, texts) for p, t in targets.items()}
 
 
 def temperatures(text: str | float) -> list[float]:
@@ -193,7 +227,8 @@ def temperatures(text: str | float) -> list[float]:
 
 def document(label: str, spec: Any, runs: list[dict[str, Any]], warm: list[dict[str, Any]], *,
              temperature: float, args: argparse.Namespace, loaded: Any, runtime: dict[str, Any],
-             prompts: list[dict[str, Any]], load_s: float, batch_size: int) -> dict[str, Any]:
+             prompts: list[dict[str, Any]], load_s: float, batch_size: int, precision: str | None = None,
+             quality: dict[str, Any] | None = None) -> dict[str, Any]:
     """One mode's result in the spec_benchmark schema."""
     parsed = spec.model_dump() if spec is not None else None
     draft = None
@@ -215,9 +250,10 @@ def document(label: str, spec: Any, runs: list[dict[str, Any]], warm: list[dict[
             "warmup": args.num_warmups, "ignore_eos": args.ignore_eos, "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
             "dtype": args.dtype, "temperature": temperature, "seed": args.seed,
-            "chat_template": not args.skip_chat_template,
+            "chat_template": not args.skip_chat_template, "precision": precision,
         },
-        "models": {"target": _model_info(loaded), "draft": draft},
+        "models": {"target": {**_model_info(loaded), "precision": loaded.precision, "quality": quality},
+                   "draft": draft},
         "runtime": runtime,
         "environment": environment_variables(),
         "prompts": prompts,
@@ -268,14 +304,16 @@ def _f(v: float | None, fmt: str = ".2f") -> str:
 
 def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) -> str:
     """Markdown: one row per mode (and temperature)."""
+    vs32 = any("vs_float32" in r for r in rows)
     head = ["mode", *(["temperature"] if with_temperature else []), "tok/s (min-max)", "x off",
-            "x off, per round", "acc. rate", "acc. len",
+            *(["x float32 off"] if vs32 else []), "x off, per round", "acc. rate", "acc. len",
             "acceptance per position", "greedy ids = off"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"], *([f"{r['temperature']:g}"] if with_temperature else []),
                  f"{_f(r['tok_s'], '.1f')} ({_f(r['min'], '.1f')}-{_f(r['max'], '.1f')})",
-                 _f(r["speedup"]), " ".join(_f(x) for x in r["speedup_rounds"]) or "-", _f(r["acceptance"]),
+                 _f(r["speedup"]), *([_f(r.get("vs_float32"))] if vs32 else []),
+                 " ".join(_f(x) for x in r["speedup_rounds"]) or "-", _f(r["acceptance"]),
                  _f(r["length"]), " ".join(_f(p) for p in r["per_pos"]) or "-",
                  "-" if r["same_ids"] is None else ("yes" if r["same_ids"] else "NO")]
         lines.append("| " + " | ".join(cells) + " |")

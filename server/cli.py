@@ -38,6 +38,7 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--served-model-name", "served_model_name", {"nargs": "+", "metavar": "NAME"}),
     ("--revision", "revision", {}),
     ("--dtype", "dtype", {"choices": ["auto", "float32", "float16", "bfloat16"]}),
+    ("--quantization", "quantization", {"choices": ["q8", "q4"]}),
     ("--max-model-len", "max_model_len", {"type": int}),
     ("--max-num-seqs", "max_num_seqs", {"type": int}),
     ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int}),
@@ -119,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HF folder, GGUF file or Hub id (default: SmolLM2-135M-Instruct)")
     prepare.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     prepare.add_argument("--revision", default=None)
+    prepare.add_argument("--quantization", default=None, choices=["q8", "q4"],
+                         help="write a quantized copy (mlx-lm's converter, affine, group 64) and print it")
+    prepare.add_argument("--out", default=None,
+                         help="folder for the quantized copy (default: <cache>/models/NAME-qN-mlx)")
 
     # Numeric training flags default to None: the defaults live in TrainSettings / DraftSettings.
     train = sub.add_parser("train-assistant", help="self-distil an MTP assistant for MODEL (method: mtp)",
@@ -376,11 +381,16 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def prepare(model: str | None, dtype: str, revision: str | None) -> int:
-    from engine.models.loader import load_model
+def prepare(model: str | None, dtype: str, revision: str | None, quantization: str | None = None,
+            out: str | None = None) -> int:
+    from engine.models.loader import load_model, quantized_copy
 
     _setup_logging("info")
     try:
+        if quantization:
+            folder = quantized_copy(model, quantization, revision, dtype, out)
+            print(f"{model} ({quantization}) is ready at {folder}")
+            return 0
         loaded = load_model(model, dtype=dtype, revision=revision, progress=True)  # type: ignore[arg-type]
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"specserve prepare: {e}", file=sys.stderr)
@@ -398,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        return prepare(args.model, args.dtype, args.revision)
+        return prepare(args.model, args.dtype, args.revision, args.quantization, args.out)
     if args.command == "train-assistant":
         from engine.training.assistant import main_cli
 

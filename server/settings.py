@@ -41,7 +41,10 @@ class ServerSettings(BaseModel):
                           "(default: the model's name)")
     revision: str | None = Field(None, description="Hub revision of the model")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="weights/activations dtype (auto: float32 on CPU, the checkpoint's on GPU)")
+        "auto", description="weight precision (auto: as stored, quantized checkpoints stay quantized; "
+                            "float32: dequantized, the exactness reference); the CPU computes in float32")
+    quantization: Literal["q8", "q4"] | None = Field(
+        None, description="quantize a float checkpoint's weights at load (MLX affine, group 64)")
     max_model_len: int | None = Field(
         None, ge=16, description="context length (default: the model's, at most 32768)")
     max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
@@ -238,6 +241,7 @@ class ServerSettings(BaseModel):
         """Keyword arguments for `engine.config.EngineConfig`."""
         return {
             "model": self.model, "revision": self.revision, "dtype": self.dtype,
+            "quantization": self.quantization,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory, "enable_prefix_caching": self.enable_prefix_caching,

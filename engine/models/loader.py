@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.config import DType, cache_dir
+from engine.models.weights import WeightPlan, apply_plan, precision_name
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,10 @@ class LoadedModel:
     name: str  # what /v1/models reports by default
     path: str  # folder or file it came from
     source: str  # "default" | "folder" | "gguf" | "hub"
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # compute dtype (activations, KV cache)
     eos_token_ids: list[int] = field(default_factory=list)
     revision: str | None = None
+    precision: str = "float32"  # what the matmul weights are (engine.models.weights.precision_name)
 
     @property
     def vocab_size(self) -> int:
@@ -86,18 +88,6 @@ def resolve_dtype(requested: DType, checkpoint_dtype: str | None) -> mx.Dtype:
 def _checkpoint_dtype(config: dict) -> str | None:
     return config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get(
         "torch_dtype")
-
-
-def cast_model(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Dequantize on CPU/float32 (quantized matmul has no fast CPU path) and cast float params."""
-    from mlx_lm.utils import dequantize_model
-
-    quant_types = (nn.QuantizedLinear, nn.QuantizedEmbedding)
-    has_quant = any(isinstance(m, quant_types) for _, m in model.named_modules())
-    if has_quant and dtype == mx.float32:
-        dequantize_model(model)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
 
 
 def build_model(config: dict, weights: dict[str, mx.array]) -> nn.Module:
@@ -241,6 +231,7 @@ def load_model(
     revision: str | None = None,
     chat_template: str | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     from mlx_lm.utils import load_model as mlx_load_model
 
@@ -266,13 +257,35 @@ def load_model(
         folder = path
         name = DEFAULT_MODEL_NAME if source == "default" else (model if source == "hub" else path.name)
     dt = resolve_dtype(dtype, _checkpoint_dtype(config))
-    _load_with_progress(net, dt, progress)
+    _load_with_progress(net, WeightPlan(dtype, quantization), dt, progress)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, name=str(name), path=str(path),
                        source=source, dtype=dt, eos_token_ids=_eos_ids(config, tokenizer, folder),
-                       revision=revision)
+                       revision=revision, precision=precision_name(net))
 
 
-def _load_with_progress(net: nn.Module, dtype: mx.Dtype, progress: bool) -> None:
+def quantized_copy(model: str | None, quantization: str, revision: str | None = None, dtype: str = "auto",
+                   out: str | None = None) -> Path:
+    """Write a quantized MLX folder of a float checkpoint (HF folder or Hub id) with mlx-lm's converter;
+    returns the folder. A GGUF or an already quantized checkpoint is refused (by the converter)."""
+    import importlib
+
+    from engine.models.weights import DEFAULT_GROUP_SIZE, QUANTIZATIONS
+
+    source, path = resolve_source(model, revision)
+    if source in ("default", "gguf"):
+        raise ValueError(f"{model or DEFAULT_MODEL_NAME} is a GGUF file, already quantized: serve it as "
+                         f"stored with --dtype auto")
+    bits = QUANTIZATIONS[quantization]
+    folder = Path(out) if out else cache_dir() / "models" / f"{path.name}-{quantization}-mlx"
+    if (folder / "config.json").exists():
+        return folder
+    convert = importlib.import_module("mlx_lm.convert").convert
+    convert(str(path), str(folder), quantize=True, q_group_size=DEFAULT_GROUP_SIZE, q_bits=bits,
+            dtype=None if dtype in ("auto", "float32") else dtype)
+    return folder
+
+
+def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progress: bool) -> None:
     from tqdm import tqdm
 
     layers = list(net.layers)
@@ -280,5 +293,5 @@ def _load_with_progress(net: nn.Module, dtype: mx.Dtype, progress: bool) -> None
         for layer in layers:  # materialise lazily-loaded weights layer by layer for the bar
             mx.eval(layer.parameters())
             bar.update(1)
-        cast_model(net, dtype)
+        apply_plan(net, plan, dtype)
         bar.update(1)

@@ -178,6 +178,9 @@ class DraftModelConfig(_ModelDrafter):
     # Share of --kv-cache-memory for the draft's own KV cache (ours, not vLLM's). Unset: a draft block beside
     # each target block with a static K; a quarter of that with "auto" (engine/core.py, _split_kv_budget).
     draft_kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
+    # The draft's own weight precision (vLLM's key), independent of the target's: q8 / q4 quantize a
+    # float draft at load with MLX's quantizer; unset: the draft as stored.
+    quantization: Literal["q8", "q4"] | None = None
 
     @property
     def needs_model(self) -> bool:

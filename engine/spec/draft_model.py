@@ -20,6 +20,7 @@ import numpy as np
 from engine.attention.cpu import cpu_paged_attention
 from engine.attention.reference import paged_attention_reference
 from engine.attention.selector import cpu_attention_fits
+from engine.cpu.layers import build_stack
 from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
@@ -75,6 +76,9 @@ class DraftModelProposer:
         if attention_fn is cpu_paged_attention and cpu_attention_fits(self.kv_cache) is not None:
             attention_fn = paged_attention_reference
         self.runner = ModelRunner(model, self.kv_cache, attention_fn)
+        # The draft's decoder layers in C where they apply, as the target's (engine/cpu/layers.py).
+        self.runner.stack, _ = build_stack(model, self.kv_cache, adapter.layer_windows(model),
+                                           attention_fn is cpu_paged_attention, draft.config)
         self._state: dict[str, _State] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first
         self.num_evictions = 0

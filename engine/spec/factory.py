@@ -21,11 +21,12 @@ def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> Lo
     from engine.spec.draft_model import check_draft_compatible
 
     same_path = Path(spec.model).expanduser().resolve() == Path(target.path).resolve()
-    if same_path or spec.model == target.name:
+    if (same_path or spec.model == target.name) and spec.quantization is None:
         draft = target  # the target as its own draft shares weights, not KV
     else:
         try:
-            draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress)
+            draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress,
+                               quantization=spec.quantization)
         except (OSError, ValueError) as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
     check_draft_compatible(target, draft)

@@ -128,3 +128,27 @@ def test_temperature_list_runs_every_mode_at_each(tmp_path: Path, capsys: pytest
     assert "t=0.8" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--temperature"):
         main(["bench", "offline", "--temperature", "0,-1"])
+
+
+def test_precisions_run_every_mode_at_each_with_quality(tmp_path: Path) -> None:
+    """`--precisions float32,auto`: each (precision, mode) pair measured, each precision's greedy ids equal
+    its own off's, and each precision's agreement with float32 recorded (float32 agrees with itself)."""
+    rc = main(["bench", "offline", "--modes", "off,ngram", "--precisions", "float32,auto", "--dataset-name",
+               "copy", "--num-prompts", "2", "--max-num-seqs", "2", "--max-tokens", "8", "--repeats", "1",
+               "--num-warmups", "0", "--kv-cache-memory", "256MiB", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    docs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert {(d["label"], d["config"]["precision"]) for d in docs.values()} == {
+        ("float32 off", "float32"), ("float32 ngram", "float32"), ("auto off", "auto"),
+        ("auto ngram", "auto")}
+    for doc in docs.values():
+        assert validate(doc) == []
+    by = {d["label"]: d for d in docs.values()}
+    f32, q4 = by["float32 off"]["models"]["target"], by["auto off"]["models"]["target"]
+    assert f32["precision"] == "float32" and f32["quality"]["top1_agreement"] == 1.0
+    assert q4["quality"]["top1_agreement"] > 0.5 and q4["quality"]["perplexity"] > 1
+    assert q4["quality"]["float32_perplexity"] == pytest.approx(f32["quality"]["perplexity"])
+    table = (tmp_path / "summary.md").read_text()
+    assert "x float32 off" in table and "top-1 agreement with float32" in table
+    with pytest.raises(SystemExit, match="--precisions"):
+        main(["bench", "offline", "--precisions", "float32,int3"])

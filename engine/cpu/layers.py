@@ -1,0 +1,204 @@
+"""The decoder layers of llama-family models in C (engine/cpu/layers.c): one call per step on the CPU.
+
+Where MLX runs on an x86-64 CPU with AVX-512, the KV cache is float32 head-major and the C attention is
+the backend, `build_stack` maps an mlx-lm llama / mistral / qwen2 / qwen3 model's layers onto the C
+structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine 8/4-bit). The
+embedding, the final norm and the head stay MLX modules. Anything else keeps the MLX path, which stays
+the reference the C stack is tested against. `SPECSERVE_CPU_LAYERS=off` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engine import envs
+from engine.attention.types import AttentionMetadata
+from engine.cpu.build import build_library, compile_flags
+from engine.cpu.qgemm import FORMATS, PackedWeights
+from engine.cpu.qgemm import unsupported_reason as qgemm_reason
+from engine.kv.cache import PagedKVCache
+from engine.models.adapter import kv_shape
+
+SOURCE = Path(__file__).with_name("layers.c")
+CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MAX_THREADS = 64
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int), ("group", ctypes.c_int), ("sdtype", ctypes.c_int), ("n", ctypes.c_int),
+                ("k", ctypes.c_int), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("biases", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [*[(n, _Mat) for n in ("q", "k", "v", "o", "gate", "up", "down")],
+                ("ln_in", ctypes.c_void_p), ("ln_post", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("window", ctypes.c_int)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
+                ("rope_traditional", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("rope_scale", ctypes.c_float), ("slots", ctypes.c_long), ("inv_freq", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_layers", compile_flags(CPU_FEATURES))))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.layers_forward.restype = i
+    lib.layers_forward.argtypes = [ctypes.POINTER(_Stack), i, p, p, p, p, p, i, i, i]
+    return lib
+
+
+def _host(a: mx.array) -> np.ndarray:
+    mx.eval(a)
+    v = np.asarray(memoryview(a))
+    if not v.flags.c_contiguous:
+        raise ValueError("not row-contiguous")
+    return v
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _f32(a: mx.array, keep: list[Any]) -> int:
+    if a.dtype != mx.float32 or a.ndim != 1:
+        raise _Unsupported(f"a norm weight or bias is {a.dtype} with shape {a.shape}")
+    v = _host(mx.contiguous(a))
+    keep.append(v)
+    return v.ctypes.data
+
+
+def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
+    from engine.models.weights import CpuLinear
+
+    if isinstance(m, CpuLinear):
+        pw: PackedWeights = m._packed
+    elif type(m) is nn.Linear and m.weight.dtype == mx.float32:
+        pw = PackedWeights("f32", m.weight.shape[0], m.weight.shape[1], 0, (m.weight,),
+                           (_host(mx.contiguous(m.weight)),), 0)
+    else:
+        raise _Unsupported(f"a {type(m).__name__} layer ({getattr(m, 'weight', mx.zeros(0)).dtype})")
+    if not pw.supported():
+        raise _Unsupported(f"a [{pw.n}, {pw.k}] {pw.fmt} weight the kernel cannot read")
+    keep.append(pw)
+    views = pw.views
+    bias = _f32(m["bias"], keep) if "bias" in m else None
+    return _Mat(FORMATS[pw.fmt], pw.group, pw.scale_dtype, pw.n, pw.k, views[0].ctypes.data,
+                views[1].ctypes.data if len(views) > 1 else None,
+                views[2].ctypes.data if len(views) > 2 else None, bias)
+
+
+class CpuLayerStack:
+    """The model's decoder layers as one C call; `hidden_states` replaces adapter.hidden_states."""
+
+    def __init__(self, model: nn.Module, kv: PagedKVCache, windows: list[int | None]) -> None:
+        self.model = model
+        self.kv = kv
+        self._keep: list[Any] = []
+        inner = model.model
+        layers = list(inner.layers)
+        attn0 = layers[0].self_attn
+        rope = attn0.rope
+        if type(rope) is not nn.RoPE:
+            raise _Unsupported(f"RoPE variant {type(rope).__name__}")
+        n_kv, head_dim = kv_shape(model)
+        n_heads = int(getattr(attn0, "n_heads", 0) or model.args.num_attention_heads)
+        if rope.dims != head_dim:
+            raise _Unsupported(f"partial rotary embedding ({rope.dims} of {head_dim} dims)")
+        half = head_dim // 2
+        inv_freq = (rope.base ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
+        self._keep.append(inv_freq)
+        c_layers = (_Layer * len(layers))()
+        eps = None
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            if type(a.rope) is not nn.RoPE or (a.rope.base, a.rope.scale, a.rope.traditional) != (
+                    rope.base, rope.scale, rope.traditional):
+                raise _Unsupported("layers with different RoPE settings")
+            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                raise _Unsupported(f"MLP {type(mlp).__name__}")
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            for n in [*norms, *[x for x in (qn, kn) if x is not None]]:
+                if type(n) is not nn.RMSNorm:
+                    raise _Unsupported(f"norm {type(n).__name__}")
+                if eps is not None and n.eps != eps:
+                    raise _Unsupported("norms with different eps")
+                eps = n.eps
+            cl = c_layers[i]
+            for name, mod in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj),
+                              ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+                setattr(cl, name, _mat(mod, self._keep))
+            cl.ln_in = _f32(norms[0].weight, self._keep)
+            cl.ln_post = _f32(norms[1].weight, self._keep)
+            cl.q_norm = _f32(qn.weight, self._keep) if qn is not None else None
+            cl.k_norm = _f32(kn.weight, self._keep) if kn is not None else None
+            cl.window = windows[i] or 0
+        self.layers = c_layers
+        self.stack = _Stack(len(layers), int(c_layers[0].q.k), n_heads, n_kv, head_dim, int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
+                            float(attn0.scale), float(rope.scale), int(kv.k[0].shape[1]),
+                            inv_freq.ctypes.data, c_layers)
+        self._cache_arrays: list[mx.array] = []
+
+    def _bind_cache(self) -> None:
+        """Point the layers at the cache arrays (MLX replaces an array when it writes into it)."""
+        arrays = [*self.kv.k, *self.kv.v]
+        if len(arrays) == len(self._cache_arrays) and all(
+                a is b for a, b in zip(arrays, self._cache_arrays, strict=True)):
+            return
+        mx.eval(arrays)
+        n = len(self.kv.k)
+        for i in range(n):
+            self.layers[i].kc = _host(self.kv.k[i]).ctypes.data
+            self.layers[i].vc = _host(self.kv.v[i]).ctypes.data
+        self._cache_arrays = arrays
+
+    def hidden_states(self, tokens: mx.array, meta: AttentionMetadata) -> mx.array:
+        """tokens: [T] -> final-norm hidden states [T, hidden]."""
+        self._bind_cache()
+        inner = self.model.model
+        h = np.array(inner.embed_tokens(tokens).astype(mx.float32), dtype=np.float32, copy=True)
+        host = meta.host()
+        slots = np.asarray(meta.slot_mapping, dtype=np.int32)
+        t = h.shape[0]
+        rc = _lib().layers_forward(ctypes.byref(self.stack), t, h.ctypes.data, host.positions.ctypes.data,
+                                   slots.ctypes.data, host.token_table.ctypes.data, host.tables.ctypes.data,
+                                   host.block_size, host.max_context, MAX_THREADS)
+        if rc != 0:
+            raise (MemoryError if rc == -1 else ValueError)(f"layers_forward failed ({rc})")
+        return inner.norm(mx.array(h))
+
+
+def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],
+                attention_is_cpu: bool, config: dict[str, Any]) -> tuple[CpuLayerStack | None, str]:
+    """The C layer stack for this model, or None and why not."""
+    if envs.get("SPECSERVE_CPU_LAYERS") == "off":
+        return None, "SPECSERVE_CPU_LAYERS=off"
+    if not attention_is_cpu:
+        return None, "the attention backend is not the C kernel"
+    if (why := qgemm_reason()) is not None:
+        return None, why
+    if config.get("model_type") not in MODEL_TYPES:
+        return None, f"model type {config.get('model_type')!r} (C layers: {', '.join(MODEL_TYPES)})"
+    if not kv.head_major or kv.dtype != mx.float32:
+        return None, "the KV cache is not float32 head-major"
+    try:
+        return CpuLayerStack(model, kv, windows), "C layers"
+    except _Unsupported as e:
+        return None, str(e)
+    except (RuntimeError, OSError) as e:
+        return None, f"could not build engine/cpu/layers.c: {e}"

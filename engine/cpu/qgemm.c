@@ -1,0 +1,317 @@
+// Small-M GEMM over weights kept in their stored precision (see engine/cpu/qgemm.py):
+//   C[M, N] = A[M, K] @ dequant(W)[N, K]^T, A and C float32 row-major.
+// Formats: bfloat16 and float16 weights, and MLX's affine quantization (8 or 4 bits packed little-end
+// first into uint32 words, one scale and one bias per `group` consecutive weights of a row, scales and
+// biases float32, float16 or bfloat16). GGUF Q8_0 / Q4_0 / Q4_1 load into the affine layout with
+// group 32, so their integers are served as stored.
+//
+// Why: a decode step streams every weight once; float32 weights are 2x (bf16), 4x (8-bit) or ~6x
+// (4-bit) the bytes, and MLX's own quantized matmul has no fast CPU path. Each 16-weight slice is
+// dequantized in registers (w = q * scale + bias, one FMA) and multiplied into every activation row.
+//
+// Batch invariance: every output element is one 16-lane FMA chain over k in order, then one fixed
+// horizontal sum, whatever M, the row chunking and the thread split: a row computed in a batch of 5 or
+// 256 is bitwise the row computed alone (so verified drafts get plain decoding's logits).
+#include <immintrin.h>
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+enum { FMT_BF16 = 1, FMT_F16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_F32 = 5 };
+enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
+// WR weight rows at a time against chunks of at most MB activation rows: 4 x 6 accumulators, 4 weight
+// vectors and one activation vector in the 32 vector registers. The WR dequantized rows are reused by
+// every chunk from L1, so the weights stream from memory once whatever M.
+enum { WR = 4, MB = 6, PREFETCH_BYTES = 1024 };
+// Groups per weight row the kernel takes (K = 32768 at group 32): their scales sit on the stack.
+enum { MAX_GROUPS = 1024 };
+
+typedef struct {
+    int fmt, K, group, sdtype, gpr;  // gpr: groups per row
+    const uint8_t *w;                // row-major
+    const void *scales, *biases;     // [N, gpr]
+} Weights;
+
+// A row's `n` group scales (or biases) as float32: the stored row itself when float32, else converted
+// into `buf` (n <= MAX_GROUPS), 16 at a time.
+static inline const float *group_params(const void *p, size_t at, int n, int sdtype, float *buf) {
+    if (sdtype == SC_F32) return (const float *)p + at;
+    const uint16_t *h = (const uint16_t *)p + at;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(h + i));
+        _mm512_storeu_ps(buf + i, sdtype == SC_F16 ? _mm512_cvtph_ps(v)
+                                                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+    }
+    for (; i < n; i++) {
+        union { uint32_t u; float f; } v = {(uint32_t)h[i] << 16};
+        buf[i] = sdtype == SC_F16 ? _cvtsh_ss(h[i]) : v.f;
+    }
+    return buf;
+}
+
+// Weights k..k+15 of a row as float32 (s, b: the group's scale and bias). FMT is a constant after inlining.
+static inline __attribute__((always_inline)) __m512 slice(const int FMT, const uint8_t *row, int k, __m512 s,
+                                                          __m512 b) {
+    if (FMT == FMT_F32) return _mm512_loadu_ps((const float *)row + k);
+    if (FMT == FMT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * (size_t)k))), 16));
+    if (FMT == FMT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * (size_t)k)));
+    if (FMT == FMT_Q8)
+        return _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)))), s, b);
+    // FMT_Q4: 32 weights in 16 bytes, byte i holding weights 2i (low nibble) and 2i + 1 (high nibble). The
+    // activations come permuted to match (see qgemm): k % 32 < 16 takes the even weights, else the odd.
+    // `s` is the group's table of the 16 dequantized values (q4_table): a lane permute reads the nibble's
+    // value (only an index's low 4 bits count), no conversion or FMA per weight.
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + (size_t)(k & ~31) / 2)));
+    (void)b;
+    return _mm512_permutexvar_ps((k & 16) ? _mm512_srli_epi32(q, 4) : q, s);
+}
+
+// The 16 values of a 4-bit group: v * scale + bias for v = 0..15 (the same FMA as 8-bit weights get).
+static inline __m512 q4_table(__m512 s, __m512 b) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_fmadd_ps(iota, s, b);
+}
+
+static inline size_t row_bytes(const int FMT, int K) {
+    return FMT == FMT_Q4 ? (size_t)K / 2 : FMT == FMT_Q8 ? (size_t)K : FMT == FMT_F32 ? 4 * (size_t)K : 2 * (size_t)K;
+}
+
+// Named accumulators (an array of them was kept partly on the stack by GCC), 4 weight rows x M rows.
+#define ACC_ZERO(i) __m512 a0##i = _mm512_setzero_ps(), a1##i = a0##i, a2##i = a0##i, a3##i = a0##i;
+#define ACC_ROW(i)                                                                                      \
+    if ((i) < M) {                                                                                      \
+        __m512 x = _mm512_loadu_ps(A + (size_t)(i) * lda + k);                                          \
+        __asm__("" : "+v"(x));                                                                          \
+        a0##i = _mm512_fmadd_ps(w0, x, a0##i);                                                          \
+        a1##i = _mm512_fmadd_ps(w1, x, a1##i);                                                          \
+        a2##i = _mm512_fmadd_ps(w2, x, a2##i);                                                          \
+        a3##i = _mm512_fmadd_ps(w3, x, a3##i);                                                          \
+    }
+#define ACC_OUT(i)                                                                                      \
+    if ((i) < M) {                                                                                      \
+        float *c = C + (size_t)(i) * ldc + j;                                                           \
+        c[0] = _mm512_reduce_add_ps(a0##i);                                                             \
+        c[1] = _mm512_reduce_add_ps(a1##i);                                                             \
+        c[2] = _mm512_reduce_add_ps(a2##i);                                                             \
+        c[3] = _mm512_reduce_add_ps(a3##i);                                                             \
+    }
+
+// Weight rows j..j+3 against M activation rows (M <= MB).
+static inline __attribute__((always_inline)) void block4(const int FMT, const int M, const Weights *W,
+        const float *A, int lda, float *C, int ldc, int j) {
+    const int K = W->K, quant = FMT == FMT_Q8 || FMT == FMT_Q4;
+    const int step = quant ? W->group : K;
+    const size_t rb = row_bytes(FMT, K);
+    const uint8_t *r0 = W->w + (size_t)j * rb, *r1 = r0 + rb, *r2 = r1 + rb, *r3 = r2 + rb;
+    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5)
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, b0 = s0, b1 = s0, b2 = s0, b3 = s0;
+    float buf[2 * WR][quant ? MAX_GROUPS : 1];
+    const float *sc[WR], *bi[WR];
+    if (quant)
+        for (int r = 0; r < WR; r++) {
+            sc[r] = group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
+            bi[r] = group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
+        }
+    for (int g = 0, k = 0; k < K; g++) {
+        if (quant) {  // broadcasts straight from memory: no arithmetic port
+            s0 = _mm512_set1_ps(sc[0][g]), s1 = _mm512_set1_ps(sc[1][g]);
+            s2 = _mm512_set1_ps(sc[2][g]), s3 = _mm512_set1_ps(sc[3][g]);
+            b0 = _mm512_set1_ps(bi[0][g]), b1 = _mm512_set1_ps(bi[1][g]);
+            b2 = _mm512_set1_ps(bi[2][g]), b3 = _mm512_set1_ps(bi[3][g]);
+            if (FMT == FMT_Q4)
+                s0 = q4_table(s0, b0), s1 = q4_table(s1, b1), s2 = q4_table(s2, b2), s3 = q4_table(s3, b3);
+        }
+        if (FMT == FMT_Q4) {  // 32 weights a step: one load per row, its low then its high nibbles
+            for (const int end = k + step; k < end; k += 32) {
+                const size_t at = (size_t)k / 2;
+                _mm_prefetch((const char *)r0 + at + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)r1 + at + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)r2 + at + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)r3 + at + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + at)));
+                __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + at)));
+                __m512i q2 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r2 + at)));
+                __m512i q3 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r3 + at)));
+                {
+                    __m512 w0 = _mm512_permutexvar_ps(q0, s0), w1 = _mm512_permutexvar_ps(q1, s1);
+                    __m512 w2 = _mm512_permutexvar_ps(q2, s2), w3 = _mm512_permutexvar_ps(q3, s3);
+                    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
+                }
+                k += 16;
+                {
+                    __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), s0);
+                    __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), s1);
+                    __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(q2, 4), s2);
+                    __m512 w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(q3, 4), s3);
+                    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
+                }
+                k -= 16;
+            }
+            continue;
+        }
+        for (const int end = k + step; k < end; k += 16) {
+            const size_t ahead = k * rb / K + PREFETCH_BYTES;
+            _mm_prefetch((const char *)r0 + ahead, _MM_HINT_T0);
+            _mm_prefetch((const char *)r1 + ahead, _MM_HINT_T0);
+            _mm_prefetch((const char *)r2 + ahead, _MM_HINT_T0);
+            _mm_prefetch((const char *)r3 + ahead, _MM_HINT_T0);
+            __m512 w0 = slice(FMT, r0, k, s0, b0), w1 = slice(FMT, r1, k, s1, b1);
+            __m512 w2 = slice(FMT, r2, k, s2, b2), w3 = slice(FMT, r3, k, s3, b3);
+            __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+            ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
+        }
+    }
+    ACC_OUT(0) ACC_OUT(1) ACC_OUT(2) ACC_OUT(3) ACC_OUT(4) ACC_OUT(5)
+}
+
+// One weight row j against M rows: the same arithmetic per element as block4 (the few rows left over).
+static inline __attribute__((always_inline)) void block1(const int FMT, const int M, const Weights *W,
+        const float *A, int lda, float *C, int ldc, int j) {
+    const int K = W->K, quant = FMT == FMT_Q8 || FMT == FMT_Q4;
+    const int step = quant ? W->group : K;
+    const size_t rb = row_bytes(FMT, K);
+    const uint8_t *r0 = W->w + (size_t)j * rb;
+    __m512 acc[MB];
+    for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
+    __m512 s = _mm512_setzero_ps(), b = s;
+    float buf[2][quant ? MAX_GROUPS : 1];
+    const float *sc = quant ? group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, buf[0]) : NULL;
+    const float *bi = quant ? group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, buf[1]) : NULL;
+    for (int g = 0, k = 0; k < K; g++) {
+        if (quant) {
+            s = _mm512_set1_ps(sc[g]);
+            b = _mm512_set1_ps(bi[g]);
+            if (FMT == FMT_Q4) s = q4_table(s, b);
+        }
+        for (const int end = k + step; k < end; k += 16) {
+            const __m512 w = slice(FMT, r0, k, s, b);
+            for (int i = 0; i < M; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(A + (size_t)i * lda + k), acc[i]);
+        }
+    }
+    for (int i = 0; i < M; i++) C[(size_t)i * ldc + j] = _mm512_reduce_add_ps(acc[i]);
+}
+
+typedef void (*block_fn)(const Weights *, const float *, int, float *, int, int);
+
+#define DEF_BLOCK(FMT, M)                                                                               \
+    static void b4_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
+        block4(FMT, M, W, A, lda, C, ldc, j);                                                           \
+    }                                                                                                   \
+    static void b1_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
+        block1(FMT, M, W, A, lda, C, ldc, j);                                                           \
+    }
+#define DEF_FMT(FMT) DEF_BLOCK(FMT, 1) DEF_BLOCK(FMT, 2) DEF_BLOCK(FMT, 3) DEF_BLOCK(FMT, 4)            \
+    DEF_BLOCK(FMT, 5) DEF_BLOCK(FMT, 6)
+DEF_FMT(1) DEF_FMT(2) DEF_FMT(3) DEF_FMT(4) DEF_FMT(5)
+#define ROWS(P, FMT) {0, P##_##FMT##_1, P##_##FMT##_2, P##_##FMT##_3, P##_##FMT##_4, P##_##FMT##_5,      \
+                      P##_##FMT##_6}
+// [format][4 rows?][M]
+static const block_fn BLOCKS[6][2][MB + 1] = {
+    {{0}, {0}},
+    {ROWS(b1, 1), ROWS(b4, 1)}, {ROWS(b1, 2), ROWS(b4, 2)}, {ROWS(b1, 3), ROWS(b4, 3)}, {ROWS(b1, 4), ROWS(b4, 4)},
+    {ROWS(b1, 5), ROWS(b4, 5)},
+};
+
+// Weight rows j0..j1-1 against all M rows, in balanced chunks of <= MB rows per WR-row weight block.
+// Rows j..j+n-1 dequantized into buf ([n, K] float32): each weight the value slice() gives in registers.
+static inline __attribute__((always_inline)) void dequant_rows(const int FMT, const Weights *W, int j, int n,
+                                                               float *buf) {
+    const int K = W->K, quant = FMT == FMT_Q8 || FMT == FMT_Q4;
+    const size_t rb = row_bytes(FMT, K);
+    float tmp[2][quant ? MAX_GROUPS : 1];
+    for (int r = 0; r < n; r++) {
+        const uint8_t *row = W->w + (size_t)(j + r) * rb;
+        const float *sc = quant ? group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, tmp[0]) : NULL;
+        const float *bi = quant ? group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, tmp[1]) : NULL;
+        for (int k = 0; k < K; k += 16) {
+            const int g = quant ? k / W->group : 0;
+            __m512 sv = _mm512_set1_ps(quant ? sc[g] : 0.0f), bv = _mm512_set1_ps(quant ? bi[g] : 0.0f);
+            if (FMT == FMT_Q4) sv = q4_table(sv, bv);
+            _mm512_storeu_ps(buf + (size_t)r * K + k, slice(FMT, row, k, sv, bv));
+        }
+    }
+}
+
+static void dequant_any(const Weights *W, int j, int n, float *buf) {
+    switch (W->fmt) {
+    case FMT_BF16: dequant_rows(FMT_BF16, W, j, n, buf); break;
+    case FMT_F16: dequant_rows(FMT_F16, W, j, n, buf); break;
+    case FMT_Q8: dequant_rows(FMT_Q8, W, j, n, buf); break;
+    default: dequant_rows(FMT_Q4, W, j, n, buf); break;
+    }
+}
+
+// Weight rows j0..j1-1 against all M rows, in balanced chunks of <= MB rows per WR-row weight block.
+// With several chunks a low-precision block is dequantized once into a float32 buffer that every chunk
+// reads from L1 (the same values and the same FMA chain per output element as in registers, so the
+// same bits): the dequantization is not repeated per chunk.
+static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda, float *C, int ldc) {
+    const int chunks = (M + MB - 1) / MB;
+    float *buf = chunks > 1 && W->fmt != FMT_F32 ? malloc(sizeof(float) * WR * (size_t)W->K) : NULL;
+    const Weights F = {FMT_F32, W->K, W->K, SC_F32, 1, (const uint8_t *)buf, NULL, NULL};
+    for (int j = j0; j < j1; j += WR) {
+        const int four = j + WR <= j1;
+        const int rend = four ? j + WR : j1;
+        for (int jj = j; jj < rend; jj += four ? WR : 1) {
+            if (buf) dequant_any(W, jj, four ? WR : 1, buf);
+            for (int c = 0, r0 = 0; c < chunks; c++) {
+                const int rows = (M - r0) / (chunks - c);
+                if (buf)
+                    BLOCKS[FMT_F32][four][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + jj, ldc, 0);
+                else
+                    BLOCKS[W->fmt][four][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, jj);
+                r0 += rows;
+            }
+        }
+    }
+    free(buf);
+}
+
+// Returns 0, or -1 for arguments it does not handle (the caller dequantizes instead).
+int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, const void *w, const void *scales,
+          const void *biases, int sdtype, float *C, int ldc, int max_threads) {
+    if (fmt < FMT_BF16 || fmt > FMT_F32 || M < 1 || N < 1 || K < 16 || K % 16) return -1;
+    const int quant = fmt == FMT_Q8 || fmt == FMT_Q4;
+    if (quant && (group < 16 || group % 16 || K % group)) return -1;
+    Weights W = {fmt, K, quant ? group : K, sdtype, quant ? K / group : 1, (const uint8_t *)w, scales, biases};
+    if (quant && (W.gpr > MAX_GROUPS || (fmt == FMT_Q4 && group % 32))) return -1;
+    float *perm = NULL;
+    if (fmt == FMT_Q4) {  // each 32 activations as their 16 even then their 16 odd elements (see slice)
+        perm = malloc(sizeof(float) * (size_t)M * K);
+        if (perm == NULL) return -1;
+        const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i od = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        for (int i = 0; i < M; i++)
+            for (int k = 0; k < K; k += 32) {
+                const float *a = A + (size_t)i * lda + k;
+                const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+                float *d = perm + (size_t)i * K + k;
+                _mm512_storeu_ps(d, _mm512_permutex2var_ps(lo, ev, hi));
+                _mm512_storeu_ps(d + 16, _mm512_permutex2var_ps(lo, od, hi));
+            }
+        A = perm;
+        lda = K;
+    }
+    const size_t bytes = row_bytes(fmt, K) * (size_t)N;
+    // Small products stay on this thread; larger ones split the weight rows evenly, in multiples of WR.
+    int nth = omp_get_max_threads();
+    if (max_threads > 0 && nth > max_threads) nth = max_threads;
+    if (bytes < 65536 || N < 2 * WR || nth < 2) {
+        run(&W, M, 0, N, A, lda, C, ldc);
+    } else {
+#pragma omp parallel num_threads(nth)
+        {
+            const int n = omp_get_num_threads(), t = omp_get_thread_num();
+            const int per = ((N + n - 1) / n + WR - 1) / WR * WR;
+            const int j0 = t * per, j1 = j0 + per < N ? j0 + per : N;
+            if (j0 < j1) run(&W, M, j0, j1, A, lda, C, ldc);
+        }
+    }
+    free(perm);
+    return 0;
+}

@@ -1,0 +1,128 @@
+"""Build and call `qgemm.c`: the small-M GEMM over bf16 / fp16 / MLX affine 8- and 4-bit weights.
+
+Runs between MLX graphs like the C attention: the activations are evaluated, read through a zero-copy
+view, and the product comes back as a new array. Weights are read in place from the MLX arrays that
+hold them (views taken once, in `PackedWeights`). Used where MLX runs on the CPU of an x86-64 Linux
+machine with AVX-512; elsewhere MLX's own quantized matmul runs (Metal keeps its fast kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
+FORMATS = {"bf16": 1, "f16": 2, "q8": 3, "q4": 4, "f32": 5}
+MAX_GROUPS = 1024  # qgemm.c: groups per weight row
+_SCALE_DTYPES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+
+
+def unsupported_reason() -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
+    if why:
+        return why
+    if mx.metal.is_available() or mx.default_device() != mx.cpu:
+        return "MLX runs on a GPU"
+    try:
+        _lib()
+    except (RuntimeError, OSError) as e:
+        return f"could not build engine/cpu/qgemm.c: {e}"
+    return None
+
+
+@functools.cache
+def available() -> bool:
+    return unsupported_reason() is None
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE, "qgemm", compile_flags(CPU_FEATURES))))
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib.qgemm.restype = i
+    lib.qgemm.argtypes = [i, i, i, i, i, p, i, p, p, p, i, p, i, i]
+    return lib
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    """A zero-copy host view of an evaluated, row-contiguous array (16-bit floats as uint16)."""
+    if a.dtype in (mx.bfloat16, mx.float16):
+        a = a.view(mx.uint16)
+    mx.eval(a)
+    v = np.asarray(memoryview(a))
+    if not v.flags.c_contiguous:
+        raise ValueError("qgemm needs row-contiguous weights")
+    return v
+
+
+@dataclass(slots=True)
+class PackedWeights:
+    """One weight matrix [N, K] in a format the kernel reads, with host views kept alive."""
+
+    fmt: str  # "bf16" | "f16" | "q8" | "q4"
+    n: int
+    k: int
+    group: int  # quantization group size (0 for bf16 / f16)
+    arrays: tuple[mx.array, ...]  # the MLX arrays the views point into (kept alive)
+    views: tuple[np.ndarray, ...]  # weight, scales, biases (the latter two absent for floats)
+    scale_dtype: int
+
+    @classmethod
+    def floats(cls, w: mx.array) -> PackedWeights:
+        fmt = {mx.bfloat16: "bf16", mx.float16: "f16"}[w.dtype]
+        w = mx.contiguous(w)
+        return cls(fmt, w.shape[0], w.shape[1], 0, (w,), (_raw(w),), 0)
+
+    @classmethod
+    def affine(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+               bits: int) -> PackedWeights:
+        if bits not in (4, 8):
+            raise ValueError(f"qgemm: {bits}-bit weights are not supported (4 or 8)")
+        n, k = w.shape[0], w.shape[1] * 32 // bits
+        arrays = tuple(mx.contiguous(a) for a in (w, scales, biases))
+        return cls(f"q{bits}", n, k, group_size, arrays, tuple(_raw(a) for a in arrays),
+                   _SCALE_DTYPES[scales.dtype])
+
+    def supported(self) -> bool:
+        """Whether the kernel reads this layout (qgemm.c refuses the rest)."""
+        if self.k % 16:
+            return False
+        if self.group == 0:
+            return True
+        step = 32 if self.fmt == "q4" else 16
+        return self.group % step == 0 and self.k % self.group == 0 and self.k // self.group <= MAX_GROUPS
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0) -> np.ndarray:
+    """x: [M, K] float32 (row-contiguous) -> [M, N] float32."""
+    m = x.shape[0]
+    out = np.empty((m, pw.n), dtype=np.float32)
+    s = pw.views[1] if len(pw.views) > 1 else pw.views[0]
+    b = pw.views[2] if len(pw.views) > 2 else pw.views[0]
+    rc = _lib().qgemm(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, _ptr(x), x.shape[1],
+                      _ptr(pw.views[0]), _ptr(s), _ptr(b), pw.scale_dtype, _ptr(out), pw.n, max_threads)
+    if rc != 0:
+        raise ValueError(f"qgemm refused {pw.fmt} [{pw.n}, {pw.k}] group {pw.group}")
+    return out
+
+
+def qgemm(x: mx.array, pw: PackedWeights) -> mx.array:
+    """x: [..., K] -> [..., N] float32, x @ dequant(W).T."""
+    lead = x.shape[:-1]
+    x2 = mx.contiguous(x.reshape(-1, pw.k).astype(mx.float32))
+    mx.eval(x2)
+    host = np.asarray(memoryview(x2))
+    return mx.array(qgemm_host(host, pw)).reshape(*lead, pw.n)

@@ -1,0 +1,78 @@
+"""Weight precisions for `specserve bench offline --precisions`, and each one's agreement with float32.
+
+A precision name maps onto the loader's `--dtype` / `--quantization`: `auto` (as stored: the default
+model's 4-bit GGUF), `float32`, `bfloat16`, `float16`, `q8` / `q4` (MLX's quantizer at load, group 64).
+
+Quality is measured teacher-forced on held-out text (the prose passages under loadtests/data/passages,
+written for this repository; no prompt of a speed run is scored): at every position, whether the
+precision's top-1 token equals float32's (top-1 agreement), and the perplexity of the text itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+PRECISIONS = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
+
+
+def precision_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in PRECISIONS]
+    if not names or bad or len(set(names)) != len(names):
+        raise SystemExit(f"--precisions: expected distinct names from {', '.join(PRECISIONS)}, got {text!r}")
+    return names
+
+
+def load_args(precision: str) -> dict[str, Any]:
+    """load_model keyword arguments for a precision name."""
+    if precision in ("q8", "q4"):
+        return {"dtype": "auto", "quantization": precision}
+    return {"dtype": precision, "quantization": None}
+
+
+def held_out_ids(tokenizer: Any, max_tokens: int = 512) -> list[list[int]]:
+    from loadtests.datasets import load_passages
+
+    texts = [t for _, kind, t in load_passages() if kind == "prose"]
+    return [list(tokenizer.encode(t, add_special_tokens=True))[:max_tokens] for t in texts]
+
+
+def _logits(loaded: Any, ids: list[int]) -> Any:
+    import mlx.core as mx
+
+    return loaded.model(mx.array([ids]))[0].astype(mx.float32)  # [T, vocab]
+
+
+def quality(loaded: Any, reference: Any, texts: list[list[int]]) -> dict[str, Any]:
+    """Top-1 agreement with `reference` (float32) and both perplexities over `texts`."""
+    import mlx.core as mx
+
+    agree = total = 0
+    nll = ref_nll = 0.0
+    for ids in texts:
+        if len(ids) < 2:
+            continue
+        ours, theirs = _logits(loaded, ids)[:-1], _logits(reference, ids)[:-1]
+        nxt = mx.array(ids[1:])
+        agree += int(mx.sum(mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).item())
+        for logits, acc in ((ours, "nll"), (theirs, "ref")):
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            s = -float(mx.sum(mx.take_along_axis(lp, nxt[:, None], axis=-1)).item())
+            if acc == "nll":
+                nll += s
+            else:
+                ref_nll += s
+        total += len(ids) - 1
+    return {"tokens": total, "top1_agreement": agree / total, "perplexity": math.exp(nll / total),
+            "float32_perplexity": math.exp(ref_nll / total)}
+
+
+def quality_table(rows: dict[str, tuple[str, dict[str, Any]]]) -> str:
+    """rows: precision -> (weights description, quality)."""
+    lines = ["| precision | weights | top-1 agreement with float32 | perplexity (float32) | tokens |",
+             "|---|---|---:|---:|---:|"]
+    for name, (weights, q) in rows.items():
+        lines.append(f"| {name} | {weights} | {q['top1_agreement']:.3f} | {q['perplexity']:.2f} "
+                     f"({q['float32_perplexity']:.2f}) | {q['tokens']} |")
+    return "\n".join(lines)
