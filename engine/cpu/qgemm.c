@@ -23,7 +23,10 @@ enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
 // WR weight rows at a time against chunks of at most MB activation rows: 4 x 6 accumulators, 4 weight
 // vectors and one activation vector in the 32 vector registers. The WR dequantized rows are reused by
 // every chunk from L1, so the weights stream from memory once whatever M.
-enum { WR = 4, MB = 6, PREFETCH_BYTES = 1024 };
+#ifndef QGEMM_PREFETCH
+#define QGEMM_PREFETCH 4096
+#endif
+enum { WR = 4, MB = 6, PREFETCH_BYTES = QGEMM_PREFETCH };
 // Groups per weight row the kernel takes (K = 32768 at group 32): their scales sit on the stack.
 enum { MAX_GROUPS = 1024 };
 

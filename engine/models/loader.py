@@ -77,10 +77,13 @@ def default_model_folder(progress: bool = True) -> Path:
 
 
 def resolve_dtype(requested: DType, checkpoint_dtype: str | None) -> mx.Dtype:
+    """The compute dtype (activations, KV cache): float32 on the CPU whatever the weights' precision
+    (the C kernels read low-precision weights and compute in float32); on a GPU `requested`, or the
+    checkpoint's with `auto`."""
+    if mx.default_device() == mx.cpu or not mx.is_available(mx.gpu):
+        return mx.float32
     if requested != "auto":
         return getattr(mx, requested)
-    if mx.default_device() == mx.cpu or not mx.is_available(mx.gpu):
-        return mx.float32  # bf16/fp16 matmuls have no fast CPU path in MLX
     by_name = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
     return by_name.get(checkpoint_dtype or "", mx.float16)
 

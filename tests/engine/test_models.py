@@ -119,9 +119,9 @@ def test_gguf_direct_equals_converted_folder() -> None:
     assert gguf.eos_token_ids == folder.eos_token_ids
 
 
-def test_dtype_auto_is_float32_on_cpu() -> None:
+def test_dtype_float32_dequantizes_on_cpu() -> None:
     loaded = default_model()
-    assert loaded.dtype == mx.float32
+    assert loaded.dtype == mx.float32 and loaded.precision == "float32"
     assert loaded.model.model.layers[0].mlp.up_proj.weight.dtype == mx.float32
 
 

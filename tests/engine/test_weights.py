@@ -192,7 +192,9 @@ def test_quantization_agrees_with_float32_greedy_and_a_broken_layout_does_not() 
 def test_precisions_of_the_default_model(dtype: str, quantization: str | None, want: str) -> None:
     loaded = load_model(None, dtype=dtype, quantization=quantization, progress=False)  # type: ignore[arg-type]
     assert loaded.precision == want
+    assert loaded.dtype == mx.float32  # activations and KV cache, whatever the weights
     llm = LLM(loaded=loaded, kv_cache_memory="64MiB", max_model_len=512, show_progress=False)
+    assert llm.core.runner.stack is not None  # the C layers and attention run at every precision
     out = llm.generate(_prompts(loaded, [COPY]), SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert "apples" in loaded.tokenizer.decode(out.token_ids)
 
