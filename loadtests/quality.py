@@ -38,22 +38,38 @@ def held_out_ids(tokenizer: Any, max_tokens: int = 512) -> list[list[int]]:
     return [list(tokenizer.encode(t, add_special_tokens=True))[:max_tokens] for t in texts]
 
 
-def _logits(loaded: Any, ids: list[int]) -> Any:
-    import mlx.core as mx
+class _Scorer:
+    """Logits at every position of a text, through the engine's own forward (the path that serves:
+    the C layers where they run), one prefill step per text."""
 
-    return loaded.model(mx.array([ids]))[0].astype(mx.float32)  # [T, vocab]
+    def __init__(self, loaded: Any, max_len: int) -> None:
+        from engine.config import EngineConfig
+        from engine.core import EngineCore
+
+        self.core = EngineCore(EngineConfig(kv_cache_memory="128MiB", max_model_len=max_len,
+                                            max_num_batched_tokens=max_len, show_progress=False), loaded)
+
+    def logits(self, ids: list[int]) -> Any:
+        from engine.models import adapter
+
+        bs = self.core.kv_cache.block_size
+        table = list(range((len(ids) + bs - 1) // bs))
+        h = self.core.runner.forward_chunks([(ids, 0, table, len(ids))])
+        return adapter.compute_logits(self.core.runner.model, h)  # [T, vocab]
 
 
 def quality(loaded: Any, reference: Any, texts: list[list[int]]) -> dict[str, Any]:
     """Top-1 agreement with `reference` (float32) and both perplexities over `texts`."""
     import mlx.core as mx
 
+    max_len = max(len(t) for t in texts)
+    ours_m, ref_m = _Scorer(loaded, max_len), _Scorer(reference, max_len)
     agree = total = 0
     nll = ref_nll = 0.0
     for ids in texts:
         if len(ids) < 2:
             continue
-        ours, theirs = _logits(loaded, ids)[:-1], _logits(reference, ids)[:-1]
+        ours, theirs = ours_m.logits(ids)[:-1], ref_m.logits(ids)[:-1]
         nxt = mx.array(ids[1:])
         agree += int(mx.sum(mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).item())
         for logits, acc in ((ours, "nll"), (theirs, "ref")):

@@ -149,7 +149,8 @@ class CpuLayerStack:
             cl.k_norm = _f32(kn.weight, self._keep) if kn is not None else None
             cl.window = windows[i] or 0
         self.layers = c_layers
-        self.stack = _Stack(len(layers), int(c_layers[0].q.k), n_heads, n_kv, head_dim, int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
+        self.stack = _Stack(len(layers), int(c_layers[0].q.k), n_heads, n_kv, head_dim,
+                            int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
                             float(attn0.scale), float(rope.scale), int(kv.k[0].shape[1]),
                             inv_freq.ctypes.data, c_layers)
         self._cache_arrays: list[mx.array] = []

@@ -78,7 +78,7 @@ class PackedWeights:
 
     @classmethod
     def floats(cls, w: mx.array) -> PackedWeights:
-        fmt = {mx.bfloat16: "bf16", mx.float16: "f16"}[w.dtype]
+        fmt = {mx.bfloat16: "bf16", mx.float16: "f16", mx.float32: "f32"}[w.dtype]
         w = mx.contiguous(w)
         return cls(fmt, w.shape[0], w.shape[1], 0, (w,), (_raw(w),), 0)
 
@@ -122,6 +122,8 @@ def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0) -> np.nda
 def qgemm(x: mx.array, pw: PackedWeights) -> mx.array:
     """x: [..., K] -> [..., N] float32, x @ dequant(W).T."""
     lead = x.shape[:-1]
+    if x.size == 0:  # a step whose rows are all prefill without logits
+        return mx.zeros((*lead, pw.n), dtype=mx.float32)
     x2 = mx.contiguous(x.reshape(-1, pw.k).astype(mx.float32))
     mx.eval(x2)
     host = np.asarray(memoryview(x2))

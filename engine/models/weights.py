@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -111,8 +112,6 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype) -> N
     # CPU: the matmul weights keep their precision, everything else computes in `compute_dtype`.
     cast_except_weights(model, compute_dtype)
     mx.eval(model.parameters())
-    if precision_name(model) == _DTYPE_NAME[mx.float32]:
-        return  # float32 matmuls go through the BLAS (and the small-M GEMM in front of it)
     from engine.cpu import qgemm
 
     why = qgemm.unsupported_reason()
@@ -156,6 +155,7 @@ class CpuEmbedding(nn.Module):
             setattr(self, k, v)
         self._packed = packed
         self._dtype = compute_dtype
+        self._f32 = SimpleNamespace(table=None)  # not a parameter: float32_table()'s copy
         self.group_size, self.bits = group_size, bits
         self.precision = _packed_name(packed)
 
@@ -170,9 +170,26 @@ class CpuEmbedding(nn.Module):
 
         return qgemm(x, self._packed)
 
+    def float32_table(self) -> mx.array:
+        """The whole table in float32, for readers of raw rows (the MTP assistant's C pass): the stored
+        array itself when it is float32, else a dequantized copy made once (vocab x hidden x 4 bytes)."""
+        if self._packed.fmt == "f32":
+            return self["weight"]
+        if self._f32.table is None:
+            if self.bits:
+                table = mx.dequantize(self["weight"], self["scales"], self["biases"],
+                                      group_size=self.group_size, bits=self.bits)
+            else:
+                table = self["weight"]
+            self._f32.table = mx.contiguous(table.astype(mx.float32))
+            mx.eval(self._f32.table)
+        return self._f32.table
+
 
 def _packed_name(packed: Any) -> str:
-    return f"{packed.fmt} (group {packed.group})" if packed.group else packed.fmt
+    if packed.group:
+        return f"{packed.fmt} (group {packed.group})"
+    return "float32" if packed.fmt == "f32" else packed.fmt
 
 
 def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> int:
@@ -189,7 +206,12 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
                 return m
             packed = PackedWeights.affine(m["weight"], m["scales"], m["biases"], m.group_size, m.bits)
             params = {k: m[k] for k in ("weight", "scales", "biases")}
-        elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype in (mx.bfloat16, mx.float16):
+        elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype in (mx.bfloat16, mx.float16,
+                                                                                mx.float32):
+            # float32 too: every matmul then runs on the caller's thread. An OpenMP region opened from
+            # MLX's own thread (its float32 matmuls reach the small-M GEMM there) starts a second
+            # libgomp pool, and with more pool threads than CPUs libgomp stops spinning for good:
+            # every later parallel region waits for sleeping workers (single stream fell from 80 to 42).
             packed = PackedWeights.floats(m.weight)
             params = {"weight": m.weight}
         if packed is None or not packed.supported():

@@ -3,7 +3,8 @@
 Why: through MLX a pass is dozens of small ops, each built in Python and dispatched on its own; the C
 loop runs a whole step's passes with no per-op dispatch (docs/mtp.md; figures: docs/design-notes.md).
 Used where the assistant is a trained one (`specserve_mtp`) reading a float32 head-major KV cache and a
-float32 embedding table on an AVX-512 CPU (no sliding window, split-halves RoPE); `"draft_backend":
+float32 embedding table (a float32 copy of a target table kept in low precision) on an AVX-512 CPU (no
+sliding window, split-halves RoPE); `"draft_backend":
 "mlx"` in the speculative config keeps the MLX module, which stays the reference:
 tests/spec/test_mtp_smollm2.py checks that both draft the same tokens.
 """
@@ -153,7 +154,11 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 
 
 def embedding_table(embed: nn.Module) -> np.ndarray | None:
-    """A zero-copy float32 view of the target's token embedding, or None (quantized, another dtype)."""
+    """A float32 view of the target's token embedding (zero-copy where it is float32), or None."""
+    from engine.models.weights import CpuEmbedding
+
+    if isinstance(embed, CpuEmbedding):  # kept in its own precision: read through a float32 copy
+        return np.asarray(memoryview(embed.float32_table()))
     w = getattr(embed, "weight", None)
     if type(embed) is not nn.Embedding or w is None or w.dtype != mx.float32:
         return None

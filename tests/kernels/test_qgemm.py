@@ -92,3 +92,9 @@ def test_wrong_layout_is_caught_by_the_reference() -> None:
     broken = PackedWeights.affine(pw.arrays[0], s[:, ::-1], pw.arrays[2], 32, 4)
     a = np.random.default_rng(3).standard_normal((3, 128)).astype(np.float32)
     assert np.abs(qgemm_host(a, broken) - a.astype(np.float64) @ ref_w.T).max() > 1e-2
+
+
+def test_no_rows_give_an_empty_product() -> None:
+    """A step whose rows are all prefill asks the head for 0 rows of logits."""
+    pw, _ = make_weights("q4", 8, 64, 32)
+    assert qgemm.qgemm(mx.zeros((0, 64)), pw).shape == (0, 8)
