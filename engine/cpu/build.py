@@ -139,13 +139,15 @@ def _fallback_dir() -> Path:
     return d
 
 
-def build_library(source: Path, name: str, flags: list[str], out_dir: Path | None = None) -> Path:
-    """Compile `source` if this version is not built yet; returns the library's path.
-    Raises RuntimeError when no compiler is found or compilation fails."""
+def build_library(source: Path, name: str, flags: list[str], out_dir: Path | None = None,
+                  includes: Iterable[Path] = ()) -> Path:
+    """Compile `source` if this version is not built yet; returns the library's path. `includes`: the
+    files `source` #includes, part of its version. Raises RuntimeError when no compiler is found or
+    compilation fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = source.read_bytes()
+    src = source.read_bytes() + b"".join(p.read_bytes() for p in includes)
     # -march=native: a cache folder shared by machines with other CPUs must not reuse the build.
     tag = hashlib.sha256(src + " ".join([cc, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
     root = out_dir or cache_dir()

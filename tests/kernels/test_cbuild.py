@@ -170,3 +170,17 @@ def test_built_kernels_are_hardened() -> None:
     segments = subprocess.run(["readelf", "-l", "-W", str(lib)], capture_output=True, text=True,
                               check=True).stdout
     assert "GNU_RELRO" in segments
+
+
+def test_an_edited_include_rebuilds_the_library(tmp_path: Path) -> None:
+    """engine/cpu/layers.c #includes qgemm.c and attention.c: editing an included file must give a new
+    build, not the cached library of the old code."""
+    inc = tmp_path / "value.h"
+    src = tmp_path / "main.c"
+    src.write_text('#include "value.h"\nint answer(void) { return VALUE; }\n')
+    inc.write_text("#define VALUE 1\n")
+    first = cbuild.build_library(src, "inc", ["-shared", "-fPIC"], tmp_path / "out", includes=[inc])
+    assert _answer(first) == 1
+    inc.write_text("#define VALUE 2\n")
+    second = cbuild.build_library(src, "inc", ["-shared", "-fPIC"], tmp_path / "out", includes=[inc])
+    assert second != first and _answer(second) == 2
