@@ -56,7 +56,8 @@ class _Stack(ctypes.Structure):
 @functools.cache
 def _lib() -> ctypes.CDLL:
     includes = [SOURCE.with_name("qgemm.c"), SOURCE.with_name("attention.c")]
-    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_layers", compile_flags(CPU_FEATURES), includes=includes)))
+    path = build_library(SOURCE, "cpu_layers", compile_flags(CPU_FEATURES), includes=includes)
+    lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.layers_forward.restype = i
     lib.layers_forward.argtypes = [ctypes.POINTER(_Stack), i, p, p, p, p, p, i, i, i]
