@@ -3,9 +3,10 @@
 A precision name maps onto the loader's `--dtype` / `--quantization`: `auto` (as stored: the default
 model's 4-bit GGUF), `float32`, `bfloat16`, `float16`, `q8` / `q4` (MLX's quantizer at load, group 64).
 
-Quality is measured teacher-forced on held-out text (the prose passages under loadtests/data/passages,
-written for this repository; no prompt of a speed run is scored): at every position, whether the
-precision's top-1 token equals float32's (top-1 agreement), and the perplexity of the text itself.
+Quality is measured teacher-forced on text no quantizer saw (MLX's affine quantizer is data-free): the
+prose passages under loadtests/data/passages, written for this repository (the `copy` and `long`
+datasets quote them in their prompts). At every position: whether the precision's top-1 token equals
+float32's (top-1 agreement), and the perplexity of the text itself.
 """
 
 from __future__ import annotations

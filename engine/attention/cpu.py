@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.attention.reference import paged_attention_reference, random_case, reference_mismatch
 from engine.attention.types import AttentionMetadata
-from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.build import build_library, compile_flags, cpu_kernel_reason
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "attention.c"
 CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
@@ -34,16 +34,7 @@ MAX_THREADS = 64  # threads for a step with much attention work (long prefill; t
 
 def unsupported_reason() -> str | None:
     """Why the C attention cannot run here (None: it can). The cache layout is checked by the engine."""
-    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
-    if why:
-        return why
-    if mx.metal.is_available() or mx.default_device() != mx.cpu:
-        return "MLX runs on a GPU"
-    try:
-        _lib()
-    except (RuntimeError, OSError) as e:
-        return f"could not build engine/cpu/attention.c: {e}"
-    return None
+    return cpu_kernel_reason(CPU_FEATURES, _lib, "engine/cpu/attention.c")
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from engine.config import cache_dir
@@ -94,6 +94,23 @@ def compile_flags(required: Iterable[str], flags: frozenset[str] | None = None) 
     enable = [f"-m{_GUARDED.get(f, f)}" for f in required]
     disable = [f"-mno-{opt}" for f, opt in _GUARDED.items() if f not in have]
     return [*BASE_FLAGS, *enable, *disable, *HARDENING_FLAGS]
+
+
+def cpu_kernel_reason(features: Iterable[str], load: Callable[[], object], source: str) -> str | None:
+    """Why a C kernel that runs between MLX graphs on the CPU cannot run here (None: it can): not x86-64
+    Linux, a CPU feature missing, MLX on a GPU, or `load()` (build and load the library) failing."""
+    import mlx.core as mx
+
+    why = x86_linux_reason() or feature_reason(features)
+    if why:
+        return why
+    if mx.metal.is_available() or mx.default_device() != mx.cpu:
+        return "MLX runs on a GPU"
+    try:
+        load()
+    except (RuntimeError, OSError) as e:
+        return f"could not build {source}: {e}"
+    return None
 
 
 def _cpu_fingerprint() -> str:

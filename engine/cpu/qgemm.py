@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.build import build_library, compile_flags, cpu_kernel_reason
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
@@ -27,21 +27,7 @@ _SCALE_DTYPES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot run here (None: it can)."""
-    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
-    if why:
-        return why
-    if mx.metal.is_available() or mx.default_device() != mx.cpu:
-        return "MLX runs on a GPU"
-    try:
-        _lib()
-    except (RuntimeError, OSError) as e:
-        return f"could not build engine/cpu/qgemm.c: {e}"
-    return None
-
-
-@functools.cache
-def available() -> bool:
-    return unsupported_reason() is None
+    return cpu_kernel_reason(CPU_FEATURES, _lib, "engine/cpu/qgemm.c")
 
 
 @functools.cache
