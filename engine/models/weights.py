@@ -9,10 +9,11 @@
 - `quantization` q8 / q4: the weights quantized at load by MLX's own quantizer (`nn.quantize`, group
   64), from `--dtype`'s floats (a quantized checkpoint is dequantized first: two roundings, logged).
 
-On MLX's CPU backend the linear layers and the embedding table that keep a low precision are swapped
-for modules that multiply through engine/cpu/qgemm.c (MLX's CPU matmuls for bf16 and quantized
-weights are slow); where that kernel cannot run, the weights are dequantized to float32 instead, with
-a log line. On a GPU MLX's own modules stay (Metal has fast quantized kernels).
+On MLX's CPU backend the linear layers and embedding tables are swapped for modules that multiply
+through engine/cpu/qgemm.c on the engine's thread (MLX's CPU matmuls for bf16 and quantized weights are
+slow, and its float32 ones run OpenMP from MLX's own thread: docs/cpu-backend.md); where that kernel
+cannot run, low-precision weights are dequantized to float32 instead, with a log line. On a GPU MLX's
+own modules stay (Metal has fast quantized kernels).
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype) -> N
     if why is None:
         swap_cpu_modules(model, compute_dtype)
         return
+    if precision_name(model) == _DTYPE_NAME[mx.float32]:
+        return  # MLX's float32 matmuls (the BLAS)
     logger.warning("weights dequantized to float32: the low-precision CPU kernel cannot run here (%s)", why)
     model.set_dtype(mx.float32)
     if is_quantized(model):
@@ -126,7 +129,8 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype) -> N
 
 
 class CpuLinear(nn.Module):
-    """A linear layer whose weight stays bf16 / fp16 / affine-quantized, multiplied by engine/cpu/qgemm.c."""
+    """A linear layer whose weight stays as stored (float32, bf16, fp16, affine 8/4-bit), multiplied by
+    engine/cpu/qgemm.c on the calling thread."""
 
     def __init__(self, packed: Any, bias: mx.array | None, params: dict[str, mx.array]) -> None:
         super().__init__()
