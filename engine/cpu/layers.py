@@ -21,7 +21,7 @@ import numpy as np
 from engine import envs
 from engine.attention.types import AttentionMetadata
 from engine.cpu.build import build_library, compile_flags
-from engine.cpu.qgemm import FORMATS, PackedWeights
+from engine.cpu.qgemm import FORMATS, PackedWeights, host_view
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 from engine.kv.cache import PagedKVCache
 from engine.models.adapter import kv_shape
@@ -64,14 +64,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _host(a: mx.array) -> np.ndarray:
-    mx.eval(a)
-    v = np.asarray(memoryview(a))
-    if not v.flags.c_contiguous:
-        raise ValueError("not row-contiguous")
-    return v
-
-
 class _Unsupported(Exception):
     pass
 
@@ -79,7 +71,7 @@ class _Unsupported(Exception):
 def _f32(a: mx.array, keep: list[Any]) -> int:
     if a.dtype != mx.float32 or a.ndim != 1:
         raise _Unsupported(f"a norm weight or bias is {a.dtype} with shape {a.shape}")
-    v = _host(mx.contiguous(a))
+    v = host_view(mx.contiguous(a))
     keep.append(v)
     return v.ctypes.data
 
@@ -90,8 +82,7 @@ def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
     if isinstance(m, CpuLinear):
         pw: PackedWeights = m._packed
     elif type(m) is nn.Linear and m.weight.dtype == mx.float32:
-        pw = PackedWeights("f32", m.weight.shape[0], m.weight.shape[1], 0, (m.weight,),
-                           (_host(mx.contiguous(m.weight)),), 0)
+        pw = PackedWeights.floats(m.weight)
     else:
         raise _Unsupported(f"a {type(m).__name__} layer ({getattr(m, 'weight', mx.zeros(0)).dtype})")
     if not pw.supported():
@@ -166,8 +157,8 @@ class CpuLayerStack:
         mx.eval(arrays)
         n = len(self.kv.k)
         for i in range(n):
-            self.layers[i].kc = _host(self.kv.k[i]).ctypes.data
-            self.layers[i].vc = _host(self.kv.v[i]).ctypes.data
+            self.layers[i].kc = host_view(self.kv.k[i]).ctypes.data
+            self.layers[i].vc = host_view(self.kv.v[i]).ctypes.data
         self._cache_arrays = arrays
 
     def hidden_states(self, tokens: mx.array, meta: AttentionMetadata) -> mx.array:

@@ -1,4 +1,4 @@
-"""Build and call `qgemm.c`: the small-M GEMM over bf16 / fp16 / MLX affine 8- and 4-bit weights.
+"""Build and call `qgemm.c`: the small-M GEMM over float32 / bf16 / fp16 / MLX affine 8- and 4-bit weights.
 
 Runs between MLX graphs like the C attention: the activations are evaluated, read through a zero-copy
 view, and the product comes back as a new array. Weights are read in place from the MLX arrays that
@@ -39,14 +39,14 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _raw(a: mx.array) -> np.ndarray:
-    """A zero-copy host view of an evaluated, row-contiguous array (16-bit floats as uint16)."""
+def host_view(a: mx.array) -> np.ndarray:
+    """A zero-copy host view of an array, evaluated first; row-contiguous (16-bit floats as uint16)."""
     if a.dtype in (mx.bfloat16, mx.float16):
         a = a.view(mx.uint16)
     mx.eval(a)
     v = np.asarray(memoryview(a))
     if not v.flags.c_contiguous:
-        raise ValueError("qgemm needs row-contiguous weights")
+        raise ValueError("the C kernels need row-contiguous arrays")
     return v
 
 
@@ -54,10 +54,10 @@ def _raw(a: mx.array) -> np.ndarray:
 class PackedWeights:
     """One weight matrix [N, K] in a format the kernel reads, with host views kept alive."""
 
-    fmt: str  # "bf16" | "f16" | "q8" | "q4"
+    fmt: str  # a key of FORMATS
     n: int
     k: int
-    group: int  # quantization group size (0 for bf16 / f16)
+    group: int  # quantization group size (0 for float formats)
     arrays: tuple[mx.array, ...]  # the MLX arrays the views point into (kept alive)
     views: tuple[np.ndarray, ...]  # weight, scales, biases (the latter two absent for floats)
     scale_dtype: int
@@ -66,7 +66,7 @@ class PackedWeights:
     def floats(cls, w: mx.array) -> PackedWeights:
         fmt = {mx.bfloat16: "bf16", mx.float16: "f16", mx.float32: "f32"}[w.dtype]
         w = mx.contiguous(w)
-        return cls(fmt, w.shape[0], w.shape[1], 0, (w,), (_raw(w),), 0)
+        return cls(fmt, w.shape[0], w.shape[1], 0, (w,), (host_view(w),), 0)
 
     @classmethod
     def affine(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
@@ -75,7 +75,7 @@ class PackedWeights:
             raise ValueError(f"qgemm: {bits}-bit weights are not supported (4 or 8)")
         n, k = w.shape[0], w.shape[1] * 32 // bits
         arrays = tuple(mx.contiguous(a) for a in (w, scales, biases))
-        return cls(f"q{bits}", n, k, group_size, arrays, tuple(_raw(a) for a in arrays),
+        return cls(f"q{bits}", n, k, group_size, arrays, tuple(host_view(a) for a in arrays),
                    _SCALE_DTYPES[scales.dtype])
 
     def supported(self) -> bool:
