@@ -37,15 +37,26 @@ typedef struct {
     long slots;
     const float *inv_freq;          // [head_dim / 2]
     const Layer *layers;
+    const float *final_norm;        // [hidden] or NULL: the model's last RMSNorm, applied to h at the end
 } Stack;
 
-static int matmul(const Mat *m, int T, const float *x, float *y) {
-    const int rc = qgemm(m->fmt, T, m->n, m->k, m->group, x, m->k, m->w, m->scales, m->biases, m->sdtype, y,
-                         m->n, 0);
-    if (rc == 0 && m->bias)
+static int mat_weights(const Mat *m, Weights *W) {
+    return weights_of(m->fmt, m->n, m->k, m->group, m->w, m->scales, m->biases, m->sdtype, W);
+}
+
+// This thread's share of y[T, n] = x @ W^T (+ bias): weight rows split as qgemm splits them, so every
+// element is computed as qgemm alone computes it. xp: x as the 4-bit kernel reads it (q4_permute_row).
+static void matmul_share(const Mat *m, int T, const float *x, const float *xp, float *y, float *buf, int nth,
+                         int tid, int *j0, int *j1) {
+    Weights W;
+    mat_weights(m, &W);  // checked before the parallel region
+    share(m->n, nth, tid, j0, j1);
+    if (*j0 >= *j1) return;
+    const float *a = m->fmt == FMT_Q4 ? xp : x;
+    run(&W, T, *j0, *j1, a, m->k, y, m->n, buf);
+    if (m->bias)
         for (int t = 0; t < T; t++)
-            for (int j = 0; j < m->n; j++) y[(size_t)t * m->n + j] += m->bias[j];
-    return rc;
+            for (int j = *j0; j < *j1; j++) y[(size_t)t * m->n + j] += m->bias[j];
 }
 
 // y = x / sqrt(mean(x^2) + eps) * g over n values: 16-lane partial sums in order, one fixed reduction.
@@ -62,11 +73,12 @@ static void rms_norm(const float *x, const float *g, int n, float eps, float *y)
     for (i = 0; i < n; i++) y[i] = x[i] * inv * g[i];
 }
 
-// RoPE of one head at position p: split halves (mlx.nn.RoPE, traditional=False) or adjacent pairs.
-static void rope(float *v, int d, float p, const float *inv_freq, int traditional) {
+// RoPE of one head given its position's cos/sin per frequency: split halves (mlx.nn.RoPE,
+// traditional=False) or adjacent pairs.
+static void rope(float *v, int d, const float *cs, const float *sn, int traditional) {
     const int half = d / 2;
     for (int i = 0; i < half; i++) {
-        const float th = p * inv_freq[i], c = cosf(th), s = sinf(th);
+        const float c = cs[i], s = sn[i];
         float *a = traditional ? v + 2 * i : v + i, *b = traditional ? v + 2 * i + 1 : v + i + half;
         const float x1 = *a, x2 = *b;
         *a = x1 * c - x2 * s;
@@ -76,63 +88,143 @@ static void rope(float *v, int d, float p, const float *inv_freq, int traditiona
 
 static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// h: [T, hidden] in/out (the embeddings in, the last layer's residual stream out). pos, slot: [T];
+// Whether any of the layers' products of one input reads 4-bit weights (then that input is permuted).
+static int any_q4(const Stack *m, int which) {
+    for (int l = 0; l < m->num_layers; l++) {
+        const Layer *L = &m->layers[l];
+        const int f[3] = {which == 0 ? L->q.fmt : which == 1 ? L->o.fmt : which == 2 ? L->gate.fmt : L->down.fmt,
+                          which == 0 ? L->k.fmt : which == 2 ? L->up.fmt : 0, which == 0 ? L->v.fmt : 0};
+        if (f[0] == FMT_Q4 || f[1] == FMT_Q4 || f[2] == FMT_Q4) return 1;
+    }
+    return 0;
+}
+
+// h: [T, hidden] in/out (the embeddings in, the last layer's residual stream out, normed by final_norm). pos, slot: [T];
 // tok_table, tables, bs, max_ctx: as cpu_paged_attention takes them. Returns 0, -1 (out of memory) or
 // -2 (a matmul refused its shapes).
+//
+// One OpenMP region for the whole call: the threads split each product's weight rows, each token's
+// norms, each (token, head)'s RoPE and each (token, KV head)'s attention, meeting at a barrier between
+// dependent stages (a region per product cost a fork and a join each, ~210 a step).
 int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const int32_t *slot,
                    const int32_t *tok_table, const int32_t *tables, int bs, int max_ctx, int max_threads) {
-    const int D = m->hidden, H = m->heads, Hkv = m->kv_heads, Dh = m->head_dim;
-    const size_t qn = (size_t)H * Dh, kn = (size_t)Hkv * Dh, wide = qn > (size_t)D ? qn : (size_t)D;
-    float *x = malloc(sizeof(float) * T * wide), *q = malloc(sizeof(float) * T * qn);
-    float *k = malloc(sizeof(float) * T * kn), *v = malloc(sizeof(float) * T * kn);
-    float *att = malloc(sizeof(float) * T * qn), *o = malloc(sizeof(float) * T * D);
-    float *g = malloc(sizeof(float) * T * m->inter), *u = malloc(sizeof(float) * T * m->inter);
-    int rc = x && q && k && v && att && o && g && u ? 0 : -1;
-    for (int l = 0; l < m->num_layers && rc == 0; l++) {
+    const int D = m->hidden, H = m->heads, Hkv = m->kv_heads, Dh = m->head_dim, I = m->inter, half = Dh / 2;
+    const int G = H / Hkv;
+    const size_t qn = (size_t)H * Dh, kn = (size_t)Hkv * Dh;
+    for (int l = 0; l < m->num_layers; l++) {
         const Layer *L = &m->layers[l];
-        for (int t = 0; t < T; t++) rms_norm(h + (size_t)t * D, L->ln_in, D, m->eps, x + (size_t)t * D);
-        if (matmul(&L->q, T, x, q) || matmul(&L->k, T, x, k) || matmul(&L->v, T, x, v)) {
-            rc = -2;
-            break;
-        }
-        for (int t = 0; t < T; t++) {
-            const float p = (float)pos[t] * m->rope_scale;
-            for (int i = 0; i < H; i++) {
-                float *qh = q + (size_t)t * qn + (size_t)i * Dh;
-                if (L->q_norm) rms_norm(qh, L->q_norm, Dh, m->eps, qh);
-                rope(qh, Dh, p, m->inv_freq, m->rope_traditional);
-            }
-            for (int i = 0; i < Hkv; i++) {
-                float *kh = k + (size_t)t * kn + (size_t)i * Dh;
-                if (L->k_norm) rms_norm(kh, L->k_norm, Dh, m->eps, kh);
-                rope(kh, Dh, p, m->inv_freq, m->rope_traditional);
-                const size_t at = ((size_t)i * m->slots + (size_t)slot[t]) * Dh;
-                memcpy(L->kc + at, kh, sizeof(float) * Dh);
-                memcpy(L->vc + at, v + (size_t)t * kn + (size_t)i * Dh, sizeof(float) * Dh);
-            }
-        }
-        if (cpu_paged_attention(T, H, Hkv, Dh, q, L->kc, L->vc, m->slots, pos, tok_table, tables, bs, L->window,
-                                m->scale, max_ctx, max_threads, att)) {
-            rc = -1;
-            break;
-        }
-        if (matmul(&L->o, T, att, o)) {
-            rc = -2;
-            break;
-        }
-        for (size_t i = 0; i < (size_t)T * D; i++) h[i] += o[i];
-        for (int t = 0; t < T; t++) rms_norm(h + (size_t)t * D, L->ln_post, D, m->eps, x + (size_t)t * D);
-        if (matmul(&L->gate, T, x, g) || matmul(&L->up, T, x, u)) {
-            rc = -2;
-            break;
-        }
-        for (size_t i = 0; i < (size_t)T * m->inter; i++) g[i] = silu_mul(g[i], u[i]);
-        if (matmul(&L->down, T, g, o)) {
-            rc = -2;
-            break;
-        }
-        for (size_t i = 0; i < (size_t)T * D; i++) h[i] += o[i];
+        const Mat *mats[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
+        Weights W;
+        for (int i = 0; i < 7; i++)
+            if (mat_weights(mats[i], &W)) return -2;
+        if (L->q.n != (int)qn || L->k.n != (int)kn || L->v.n != (int)kn || L->o.n != D || L->o.k != (int)qn ||
+            L->gate.n != I || L->up.n != I || L->down.n != D || L->down.k != I || L->q.k != D || L->k.k != D ||
+            L->v.k != D || L->gate.k != D || L->up.k != D)
+            return -2;
     }
-    free(x), free(q), free(k), free(v), free(att), free(o), free(g), free(u);
+    int nth = omp_get_max_threads();
+    if (max_threads > 0 && nth > max_threads) nth = max_threads;
+    if (nth < 1) nth = 1;
+    const int pq = any_q4(m, 0), po = any_q4(m, 1), pg = any_q4(m, 2), pd = any_q4(m, 3);
+    size_t Kmax = (size_t)D > qn ? (size_t)D : qn;  // the widest product input
+    if ((size_t)I > Kmax) Kmax = (size_t)I;
+    float *x = malloc(sizeof(float) * T * D), *xp = pq || pg ? malloc(sizeof(float) * T * D) : NULL;
+    float *q = malloc(sizeof(float) * T * qn), *k = malloc(sizeof(float) * T * kn), *v = malloc(sizeof(float) * T * kn);
+    float *att = malloc(sizeof(float) * T * qn), *attp = po ? malloc(sizeof(float) * T * qn) : NULL;
+    float *o = malloc(sizeof(float) * T * D), *g = malloc(sizeof(float) * T * I), *u = malloc(sizeof(float) * T * I);
+    float *gp = pd ? malloc(sizeof(float) * T * I) : NULL;
+    float *cs = malloc(sizeof(float) * T * half), *sn = malloc(sizeof(float) * T * half);
+    float *scores = malloc(sizeof(float) * (size_t)nth * G * (max_ctx > 0 ? max_ctx : 1));
+    float *bufs = T > MB2 ? malloc(sizeof(float) * (size_t)nth * WR * Kmax) : NULL;
+    int rc = x && q && k && v && att && o && g && u && cs && sn && scores && (xp || !(pq || pg)) &&
+             (attp || !po) && (gp || !pd) ? 0 : -1;
+    if (rc == 0) {
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < half; i++) {
+                const float th = (float)pos[t] * m->rope_scale * m->inv_freq[i];
+                cs[(size_t)t * half + i] = cosf(th);
+                sn[(size_t)t * half + i] = sinf(th);
+            }
+        const float sl2e = m->scale * 1.4426950408889634f;
+#pragma omp parallel num_threads(nth)
+        {
+            const int n = omp_get_num_threads(), tid = omp_get_thread_num();
+            float *buf = bufs ? bufs + (size_t)tid * WR * Kmax : NULL;
+            float *sc = scores + (size_t)tid * G * (max_ctx > 0 ? max_ctx : 1);
+            int j0, j1;
+            for (int l = 0; l < m->num_layers; l++) {
+                const Layer *L = &m->layers[l];
+#pragma omp for schedule(static)
+                for (int t = 0; t < T; t++) {
+                    if (l > 0) for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                    rms_norm(h + (size_t)t * D, L->ln_in, D, m->eps, x + (size_t)t * D);
+                    if (xp) q4_permute_row(x + (size_t)t * D, D, xp + (size_t)t * D);
+                }
+                matmul_share(&L->q, T, x, xp, q, buf, n, tid, &j0, &j1);
+                matmul_share(&L->k, T, x, xp, k, buf, n, tid, &j0, &j1);
+                matmul_share(&L->v, T, x, xp, v, buf, n, tid, &j0, &j1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+                for (int it = 0; it < T * (H + Hkv); it++) {
+                    const int t = it / (H + Hkv), i = it % (H + Hkv);
+                    const float *c = cs + (size_t)t * half, *s = sn + (size_t)t * half;
+                    if (i < H) {
+                        float *qh = q + (size_t)t * qn + (size_t)i * Dh;
+                        if (L->q_norm) rms_norm(qh, L->q_norm, Dh, m->eps, qh);
+                        rope(qh, Dh, c, s, m->rope_traditional);
+                    } else {
+                        const int j = i - H;
+                        float *kh = k + (size_t)t * kn + (size_t)j * Dh;
+                        if (L->k_norm) rms_norm(kh, L->k_norm, Dh, m->eps, kh);
+                        rope(kh, Dh, c, s, m->rope_traditional);
+                        const size_t at = ((size_t)j * m->slots + (size_t)slot[t]) * Dh;
+                        memcpy(L->kc + at, kh, sizeof(float) * Dh);
+                        memcpy(L->vc + at, v + (size_t)t * kn + (size_t)j * Dh, sizeof(float) * Dh);
+                    }
+                }
+#pragma omp for schedule(dynamic, 1)
+                for (int it = 0; it < T * Hkv; it++) {
+                    const int t = it / Hkv, j = it % Hkv;
+                    const int hi = pos[t] + 1, lo = L->window > 0 && hi > L->window ? hi - L->window : 0;
+                    const size_t head = (size_t)j * m->slots * Dh, qo = ((size_t)t * H + (size_t)j * G) * Dh;
+                    attend_one(G, Dh, q + qo, L->kc + head, L->vc + head, tables + tok_table[t], bs, lo, hi, sl2e,
+                               sc, att + qo);
+                }
+                if (attp) {
+#pragma omp for schedule(static)
+                    for (int t = 0; t < T; t++) q4_permute_row(att + (size_t)t * qn, (int)qn, attp + (size_t)t * qn);
+                }
+                matmul_share(&L->o, T, att, attp, o, buf, n, tid, &j0, &j1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+                for (int t = 0; t < T; t++) {
+                    for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                    rms_norm(h + (size_t)t * D, L->ln_post, D, m->eps, x + (size_t)t * D);
+                    if (xp) q4_permute_row(x + (size_t)t * D, D, xp + (size_t)t * D);
+                }
+                matmul_share(&L->gate, T, x, xp, g, buf, n, tid, &j0, &j1);
+                matmul_share(&L->up, T, x, xp, u, buf, n, tid, &j0, &j1);
+                for (int t = 0; t < T; t++)  // this thread's columns of gate and up: no barrier before
+                    for (int j = j0; j < j1; j++) {
+                        float *gv = g + (size_t)t * I + j;
+                        *gv = silu_mul(*gv, u[(size_t)t * I + j]);
+                    }
+#pragma omp barrier
+                if (gp) {
+#pragma omp for schedule(static)
+                    for (int t = 0; t < T; t++) q4_permute_row(g + (size_t)t * I, I, gp + (size_t)t * I);
+                }
+                matmul_share(&L->down, T, g, gp, o, buf, n, tid, &j0, &j1);
+#pragma omp barrier
+            }
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                if (m->final_norm) rms_norm(h + (size_t)t * D, m->final_norm, D, m->eps, h + (size_t)t * D);
+            }
+        }
+    }
+    free(x), free(xp), free(q), free(k), free(v), free(att), free(attp), free(o), free(g), free(u), free(gp);
+    free(cs), free(sn), free(scores), free(bufs);
     return rc;
 }

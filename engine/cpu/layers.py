@@ -2,8 +2,9 @@
 
 Where MLX runs on an x86-64 CPU with AVX-512, the KV cache is float32 head-major and the C attention is
 the backend, `build_stack` maps an mlx-lm llama / mistral / qwen2 / qwen3 model's layers onto the C
-structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine 8/4-bit). The
-embedding, the final norm and the head stay MLX modules. Anything else keeps the MLX path, which stays
+structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine 8/4-bit), with the
+embedding lookup and the final RMSNorm where they are the kernels' (CpuEmbedding, RMSNorm); the head
+stays the model's module. Anything else keeps the MLX path, which stays
 the reference the C stack is tested against. `SPECSERVE_CPU_LAYERS=off` turns it off.
 """
 
@@ -50,7 +51,7 @@ class _Stack(ctypes.Structure):
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
                 ("rope_traditional", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("rope_scale", ctypes.c_float), ("slots", ctypes.c_long), ("inv_freq", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -142,10 +143,15 @@ class CpuLayerStack:
             cl.k_norm = _f32(kn.weight, self._keep) if kn is not None else None
             cl.window = windows[i] or 0
         self.layers = c_layers
+        # The final norm joins the C call where it is the same RMSNorm; the embedding lookup too where
+        # the table is kept for the C kernels (each an MLX op fewer per step).
+        norm = inner.norm
+        self.final_norm = type(norm) is nn.RMSNorm and norm.eps == eps
         self.stack = _Stack(len(layers), int(c_layers[0].q.k), n_heads, n_kv, head_dim,
                             int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
                             float(attn0.scale), float(rope.scale), int(kv.k[0].shape[1]),
-                            inv_freq.ctypes.data, c_layers)
+                            inv_freq.ctypes.data, c_layers,
+                            _f32(norm.weight, self._keep) if self.final_norm else None)
         self._cache_arrays: list[mx.array] = []
 
     def _bind_cache(self) -> None:
@@ -163,9 +169,15 @@ class CpuLayerStack:
 
     def hidden_states(self, tokens: mx.array, meta: AttentionMetadata) -> mx.array:
         """tokens: [T] -> final-norm hidden states [T, hidden]."""
+        from engine.models.weights import CpuEmbedding
+
         self._bind_cache()
         inner = self.model.model
-        h = np.array(inner.embed_tokens(tokens).astype(mx.float32), dtype=np.float32, copy=True)
+        embed = inner.embed_tokens
+        if isinstance(embed, CpuEmbedding):
+            h = embed.rows(np.asarray(tokens))
+        else:
+            h = np.array(embed(tokens).astype(mx.float32), dtype=np.float32, copy=True)
         host = meta.host()
         slots = np.asarray(meta.slot_mapping, dtype=np.int32)
         t = h.shape[0]
@@ -174,7 +186,7 @@ class CpuLayerStack:
                                    host.block_size, host.max_context, MAX_THREADS)
         if rc != 0:
             raise (MemoryError if rc == -1 else ValueError)(f"layers_forward failed ({rc})")
-        return inner.norm(mx.array(h))
+        return mx.array(h) if self.final_norm else inner.norm(mx.array(h))
 
 
 def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],

@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { FMT_BF16 = 1, FMT_F16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_F32 = 5 };
 enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
@@ -26,7 +27,9 @@ enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
 #ifndef QGEMM_PREFETCH
 #define QGEMM_PREFETCH 4096
 #endif
-enum { WR = 4, MB = 6, PREFETCH_BYTES = QGEMM_PREFETCH };
+// Past MB rows, 2 weight rows against chunks of at most MB2: 2 x 12 accumulators, so each dequantized
+// slice feeds 12 FMAs per row instead of 6.
+enum { WR = 4, MB = 6, WR2 = 2, MB2 = 12, PREFETCH_BYTES = QGEMM_PREFETCH };
 // Groups per weight row the kernel takes (K = 32768 at group 32): their scales sit on the stack.
 enum { MAX_GROUPS = 1024 };
 
@@ -172,6 +175,56 @@ static inline __attribute__((always_inline)) void block4(const int FMT, const in
     ACC_OUT(0) ACC_OUT(1) ACC_OUT(2) ACC_OUT(3) ACC_OUT(4) ACC_OUT(5)
 }
 
+#define ACC2_ZERO(i) __m512 c0##i = _mm512_setzero_ps(), c1##i = c0##i;
+#define ACC2_ROW(i)                                                                                     \
+    if ((i) < M) {                                                                                      \
+        __m512 x = _mm512_loadu_ps(A + (size_t)(i) * lda + k);                                          \
+        __asm__("" : "+v"(x));                                                                          \
+        c0##i = _mm512_fmadd_ps(w0, x, c0##i);                                                          \
+        c1##i = _mm512_fmadd_ps(w1, x, c1##i);                                                          \
+    }
+#define ACC2_OUT(i)                                                                                     \
+    if ((i) < M) {                                                                                      \
+        float *c = C + (size_t)(i) * ldc + j;                                                           \
+        c[0] = _mm512_reduce_add_ps(c0##i);                                                             \
+        c[1] = _mm512_reduce_add_ps(c1##i);                                                             \
+    }
+#define ACC2_ALL(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+// Weight rows j, j+1 against M activation rows (MB < M <= MB2): block4's arithmetic per element.
+static inline __attribute__((always_inline)) void block2(const int FMT, const int M, const Weights *W,
+        const float *A, int lda, float *C, int ldc, int j) {
+    const int K = W->K, quant = FMT == FMT_Q8 || FMT == FMT_Q4;
+    const int step = quant ? W->group : K;
+    const size_t rb = row_bytes(FMT, K);
+    const uint8_t *r0 = W->w + (size_t)j * rb, *r1 = r0 + rb;
+    ACC2_ALL(ACC2_ZERO)
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
+    float buf[2 * WR2][quant ? MAX_GROUPS : 1];
+    const float *sc[WR2], *bi[WR2];
+    if (quant)
+        for (int r = 0; r < WR2; r++) {
+            sc[r] = group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
+            bi[r] = group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
+        }
+    for (int g = 0, k = 0; k < K; g++) {
+        if (quant) {
+            s0 = _mm512_set1_ps(sc[0][g]), s1 = _mm512_set1_ps(sc[1][g]);
+            b0 = _mm512_set1_ps(bi[0][g]), b1 = _mm512_set1_ps(bi[1][g]);
+            if (FMT == FMT_Q4) s0 = q4_table(s0, b0), s1 = q4_table(s1, b1);
+        }
+        for (const int end = k + step; k < end; k += 16) {
+            const size_t ahead = k * rb / K + PREFETCH_BYTES;
+            _mm_prefetch((const char *)r0 + ahead, _MM_HINT_T0);
+            _mm_prefetch((const char *)r1 + ahead, _MM_HINT_T0);
+            __m512 w0 = slice(FMT, r0, k, s0, b0), w1 = slice(FMT, r1, k, s1, b1);
+            __asm__("" : "+v"(w0), "+v"(w1));
+            ACC2_ALL(ACC2_ROW)
+        }
+    }
+    ACC2_ALL(ACC2_OUT)
+}
+
 // One weight row j against M rows: the same arithmetic per element as block4 (the few rows left over).
 static inline __attribute__((always_inline)) void block1(const int FMT, const int M, const Weights *W,
         const float *A, int lda, float *C, int ldc, int j) {
@@ -179,7 +232,7 @@ static inline __attribute__((always_inline)) void block1(const int FMT, const in
     const int step = quant ? W->group : K;
     const size_t rb = row_bytes(FMT, K);
     const uint8_t *r0 = W->w + (size_t)j * rb;
-    __m512 acc[MB];
+    __m512 acc[MB2];
     for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
     __m512 s = _mm512_setzero_ps(), b = s;
     float buf[2][quant ? MAX_GROUPS : 1];
@@ -208,34 +261,39 @@ typedef void (*block_fn)(const Weights *, const float *, int, float *, int, int)
     static void b1_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
         block1(FMT, M, W, A, lda, C, ldc, j);                                                           \
     }
+#define DEF_BLOCK2(FMT, M)                                                                              \
+    static void b2_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
+        block2(FMT, M, W, A, lda, C, ldc, j);                                                           \
+    }                                                                                                   \
+    static void b1_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
+        block1(FMT, M, W, A, lda, C, ldc, j);                                                           \
+    }
 #define DEF_FMT(FMT) DEF_BLOCK(FMT, 1) DEF_BLOCK(FMT, 2) DEF_BLOCK(FMT, 3) DEF_BLOCK(FMT, 4)            \
-    DEF_BLOCK(FMT, 5) DEF_BLOCK(FMT, 6)
+    DEF_BLOCK(FMT, 5) DEF_BLOCK(FMT, 6) DEF_BLOCK2(FMT, 7) DEF_BLOCK2(FMT, 8) DEF_BLOCK2(FMT, 9)        \
+    DEF_BLOCK2(FMT, 10) DEF_BLOCK2(FMT, 11) DEF_BLOCK2(FMT, 12)
 DEF_FMT(1) DEF_FMT(2) DEF_FMT(3) DEF_FMT(4) DEF_FMT(5)
-#define ROWS(P, FMT) {0, P##_##FMT##_1, P##_##FMT##_2, P##_##FMT##_3, P##_##FMT##_4, P##_##FMT##_5,      \
-                      P##_##FMT##_6}
-// [format][4 rows?][M]
-static const block_fn BLOCKS[6][2][MB + 1] = {
-    {{0}, {0}},
-    {ROWS(b1, 1), ROWS(b4, 1)}, {ROWS(b1, 2), ROWS(b4, 2)}, {ROWS(b1, 3), ROWS(b4, 3)}, {ROWS(b1, 4), ROWS(b4, 4)},
-    {ROWS(b1, 5), ROWS(b4, 5)},
-};
+#define ROWS(FMT) {0, b1_##FMT##_1, b1_##FMT##_2, b1_##FMT##_3, b1_##FMT##_4, b1_##FMT##_5, b1_##FMT##_6,    \
+                   b1_##FMT##_7, b1_##FMT##_8, b1_##FMT##_9, b1_##FMT##_10, b1_##FMT##_11, b1_##FMT##_12},   \
+                  {0, b4_##FMT##_1, b4_##FMT##_2, b4_##FMT##_3, b4_##FMT##_4, b4_##FMT##_5, b4_##FMT##_6,    \
+                   b2_##FMT##_7, b2_##FMT##_8, b2_##FMT##_9, b2_##FMT##_10, b2_##FMT##_11, b2_##FMT##_12}
+// [format][several weight rows?][M]: M <= MB takes WR weight rows a call, M > MB takes WR2.
+static const block_fn BLOCKS[6][2][MB2 + 1] = {{{0}, {0}}, {ROWS(1)}, {ROWS(2)}, {ROWS(3)}, {ROWS(4)}, {ROWS(5)}};
 
-// Weight rows j0..j1-1 against all M rows, in balanced chunks of <= MB rows per WR-row weight block.
 // Rows j..j+n-1 dequantized into buf ([n, K] float32): each weight the value slice() gives in registers.
 static inline __attribute__((always_inline)) void dequant_rows(const int FMT, const Weights *W, int j, int n,
                                                                float *buf) {
-    const int K = W->K, quant = FMT == FMT_Q8 || FMT == FMT_Q4;
+    const int K = W->K, quant = FMT == FMT_Q8 || FMT == FMT_Q4, step = quant ? W->group : K;
     const size_t rb = row_bytes(FMT, K);
     float tmp[2][quant ? MAX_GROUPS : 1];
     for (int r = 0; r < n; r++) {
         const uint8_t *row = W->w + (size_t)(j + r) * rb;
         const float *sc = quant ? group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, tmp[0]) : NULL;
         const float *bi = quant ? group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, tmp[1]) : NULL;
-        for (int k = 0; k < K; k += 16) {
-            const int g = quant ? k / W->group : 0;
+        for (int g = 0, k = 0; k < K; g++) {
             __m512 sv = _mm512_set1_ps(quant ? sc[g] : 0.0f), bv = _mm512_set1_ps(quant ? bi[g] : 0.0f);
             if (FMT == FMT_Q4) sv = q4_table(sv, bv);
-            _mm512_storeu_ps(buf + (size_t)r * K + k, slice(FMT, row, k, sv, bv));
+            for (const int end = k + step; k < end; k += 16)
+                _mm512_storeu_ps(buf + (size_t)r * K + k, slice(FMT, row, k, sv, bv));
         }
     }
 }
@@ -249,54 +307,72 @@ static void dequant_any(const Weights *W, int j, int n, float *buf) {
     }
 }
 
-// Weight rows j0..j1-1 against all M rows, in balanced chunks of <= MB rows per WR-row weight block.
-// With several chunks a low-precision block is dequantized once into a float32 buffer that every chunk
-// reads from L1 (the same values and the same FMA chain per output element as in registers, so the
-// same bits): the dequantization is not repeated per chunk.
-static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda, float *C, int ldc) {
-    const int chunks = (M + MB - 1) / MB;
-    float *buf = chunks > 1 && W->fmt != FMT_F32 ? malloc(sizeof(float) * WR * (size_t)W->K) : NULL;
+// Weight rows j0..j1-1 against all M rows. Up to MB2 rows dequantize in registers (WR rows a block up to
+// MB, WR2 past it). More rows go in balanced chunks of <= MB per WR-row weight block, and a low-precision
+// block is dequantized once into `buf` (WR * K floats) that every chunk reads from L1: the same values
+// and the same FMA chain per output element as in registers, so the same bits.
+static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda, float *C, int ldc, float *buf) {
+    const int wide = M > MB && M <= MB2, wr = wide ? WR2 : WR;
+    const int chunks = wide ? 1 : (M + MB - 1) / MB;
+    if (chunks == 1 || W->fmt == FMT_F32) buf = NULL;
     const Weights F = {FMT_F32, W->K, W->K, SC_F32, 1, (const uint8_t *)buf, NULL, NULL};
-    for (int j = j0; j < j1; j += WR) {
-        const int four = j + WR <= j1;
-        const int rend = four ? j + WR : j1;
-        for (int jj = j; jj < rend; jj += four ? WR : 1) {
-            if (buf) dequant_any(W, jj, four ? WR : 1, buf);
+    for (int j = j0; j < j1; j += wr) {
+        const int many = j + wr <= j1;
+        const int rend = many ? j + wr : j1;
+        for (int jj = j; jj < rend; jj += many ? wr : 1) {
+            if (buf) dequant_any(W, jj, many ? wr : 1, buf);
             for (int c = 0, r0 = 0; c < chunks; c++) {
                 const int rows = (M - r0) / (chunks - c);
                 if (buf)
-                    BLOCKS[FMT_F32][four][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + jj, ldc, 0);
+                    BLOCKS[FMT_F32][many][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + jj, ldc, 0);
                 else
-                    BLOCKS[W->fmt][four][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, jj);
+                    BLOCKS[W->fmt][many][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, jj);
                 r0 += rows;
             }
         }
     }
-    free(buf);
+}
+
+// Thread t of n takes weight rows [*j0, *j1): even shares in multiples of WR.
+static inline void share(int N, int n, int t, int *j0, int *j1) {
+    const int per = ((N + n - 1) / n + WR - 1) / WR * WR;
+    *j0 = t * per < N ? t * per : N;
+    *j1 = *j0 + per < N ? *j0 + per : N;
+}
+
+// Row i of A ([K] floats) as qgemm's 4-bit blocks read it: each 32 as their 16 even then 16 odd elements.
+static inline void q4_permute_row(const float *a, int K, float *d) {
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i od = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int k = 0; k < K; k += 32) {
+        const __m512 lo = _mm512_loadu_ps(a + k), hi = _mm512_loadu_ps(a + k + 16);
+        _mm512_storeu_ps(d + k, _mm512_permutex2var_ps(lo, ev, hi));
+        _mm512_storeu_ps(d + k + 16, _mm512_permutex2var_ps(lo, od, hi));
+    }
+}
+
+// The Weights for a product, or -1 for arguments the kernel does not handle.
+static int weights_of(int fmt, int N, int K, int group, const void *w, const void *scales, const void *biases,
+                      int sdtype, Weights *W) {
+    if (fmt < FMT_BF16 || fmt > FMT_F32 || N < 1 || K < 16 || K % 16) return -1;
+    const int quant = fmt == FMT_Q8 || fmt == FMT_Q4;
+    if (quant && (group < 16 || group % 16 || K % group)) return -1;
+    const Weights v = {fmt, K, quant ? group : K, sdtype, quant ? K / group : 1, (const uint8_t *)w, scales, biases};
+    if (quant && (v.gpr > MAX_GROUPS || (fmt == FMT_Q4 && group % 32))) return -1;
+    *W = v;
+    return 0;
 }
 
 // Returns 0, or -1 for arguments it does not handle (the caller dequantizes instead).
 int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, const void *w, const void *scales,
           const void *biases, int sdtype, float *C, int ldc, int max_threads) {
-    if (fmt < FMT_BF16 || fmt > FMT_F32 || M < 1 || N < 1 || K < 16 || K % 16) return -1;
-    const int quant = fmt == FMT_Q8 || fmt == FMT_Q4;
-    if (quant && (group < 16 || group % 16 || K % group)) return -1;
-    Weights W = {fmt, K, quant ? group : K, sdtype, quant ? K / group : 1, (const uint8_t *)w, scales, biases};
-    if (quant && (W.gpr > MAX_GROUPS || (fmt == FMT_Q4 && group % 32))) return -1;
+    Weights W;
+    if (M < 1 || weights_of(fmt, N, K, group, w, scales, biases, sdtype, &W)) return -1;
     float *perm = NULL;
-    if (fmt == FMT_Q4) {  // each 32 activations as their 16 even then their 16 odd elements (see slice)
+    if (fmt == FMT_Q4) {
         perm = malloc(sizeof(float) * (size_t)M * K);
         if (perm == NULL) return -1;
-        const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-        const __m512i od = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-        for (int i = 0; i < M; i++)
-            for (int k = 0; k < K; k += 32) {
-                const float *a = A + (size_t)i * lda + k;
-                const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
-                float *d = perm + (size_t)i * K + k;
-                _mm512_storeu_ps(d, _mm512_permutex2var_ps(lo, ev, hi));
-                _mm512_storeu_ps(d + 16, _mm512_permutex2var_ps(lo, od, hi));
-            }
+        for (int i = 0; i < M; i++) q4_permute_row(A + (size_t)i * lda, K, perm + (size_t)i * K);
         A = perm;
         lda = K;
     }
@@ -304,17 +380,43 @@ int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, cons
     // Small products stay on this thread; larger ones split the weight rows evenly, in multiples of WR.
     int nth = omp_get_max_threads();
     if (max_threads > 0 && nth > max_threads) nth = max_threads;
-    if (bytes < 65536 || N < 2 * WR || nth < 2) {
-        run(&W, M, 0, N, A, lda, C, ldc);
-    } else {
-#pragma omp parallel num_threads(nth)
-        {
-            const int n = omp_get_num_threads(), t = omp_get_thread_num();
-            const int per = ((N + n - 1) / n + WR - 1) / WR * WR;
-            const int j0 = t * per, j1 = j0 + per < N ? j0 + per : N;
-            if (j0 < j1) run(&W, M, j0, j1, A, lda, C, ldc);
-        }
+    if (bytes < 65536 || N < 2 * WR || nth < 2) nth = 1;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        // Without the buffer (none needed, or malloc failed) every chunk dequantizes in registers: same bits.
+        float *buf = M > MB2 && fmt != FMT_F32 ? malloc(sizeof(float) * WR * (size_t)K) : NULL;
+        int j0, j1;
+        share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
+        if (j0 < j1) run(&W, M, j0, j1, A, lda, C, ldc, buf);
+        free(buf);
     }
     free(perm);
+    return 0;
+}
+
+// Rows ids[0..T-1] of the [N, K] weight matrix as float32 (out: [T, K]): the values the product reads,
+// for an embedding table kept in its stored precision. Returns 0, or -1 (layout refused, id out of range).
+int qgemm_rows(int fmt, int N, int K, int group, const void *w, const void *scales, const void *biases, int sdtype,
+               const int32_t *ids, int T, float *out) {
+    Weights W;
+    if (weights_of(fmt, N, K, group, w, scales, biases, sdtype, &W)) return -1;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    for (int t = 0; t < T; t++) {
+        if (fmt == FMT_F32)
+            memcpy(out + (size_t)t * K, (const float *)w + (size_t)ids[t] * K, sizeof(float) * K);
+        else
+            dequant_any(&W, ids[t], 1, out + (size_t)t * K);
+        if (fmt == FMT_Q4) {  // dequant_rows gives each 32 as 16 even then 16 odd weights: interleave back
+            const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            for (int k = 0; k < K; k += 32) {
+                float *r = out + (size_t)t * K + k;
+                const __m512 ev = _mm512_loadu_ps(r), od = _mm512_loadu_ps(r + 16);
+                _mm512_storeu_ps(r, _mm512_permutex2var_ps(ev, lo, od));
+                _mm512_storeu_ps(r + 16, _mm512_permutex2var_ps(ev, hi, od));
+            }
+        }
+    }
     return 0;
 }

@@ -36,6 +36,8 @@ def _lib() -> ctypes.CDLL:
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.qgemm.restype = i
     lib.qgemm.argtypes = [i, i, i, i, i, p, i, p, p, p, i, p, i, i]
+    lib.qgemm_rows.restype = i
+    lib.qgemm_rows.argtypes = [i, i, i, i, p, p, p, i, p, i, p]
     return lib
 
 
@@ -102,6 +104,19 @@ def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0) -> np.nda
                       _ptr(pw.views[0]), _ptr(s), _ptr(b), pw.scale_dtype, _ptr(out), pw.n, max_threads)
     if rc != 0:
         raise ValueError(f"qgemm refused {pw.fmt} [{pw.n}, {pw.k}] group {pw.group}")
+    return out
+
+
+def rows_host(ids: np.ndarray, pw: PackedWeights) -> np.ndarray:
+    """Rows `ids` of the weight matrix as float32 [len(ids), K] (an embedding lookup)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+    out = np.empty((ids.size, pw.k), dtype=np.float32)
+    s = pw.views[1] if len(pw.views) > 1 else pw.views[0]
+    b = pw.views[2] if len(pw.views) > 2 else pw.views[0]
+    rc = _lib().qgemm_rows(FORMATS[pw.fmt], pw.n, pw.k, pw.group, _ptr(pw.views[0]), _ptr(s), _ptr(b),
+                           pw.scale_dtype, _ptr(ids), ids.size, _ptr(out))
+    if rc != 0:
+        raise ValueError(f"token ids out of range for a [{pw.n}, {pw.k}] table")
     return out
 
 

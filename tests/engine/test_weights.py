@@ -135,6 +135,9 @@ def test_c_layers_are_bitwise_batch_invariant(precision: str) -> None:
                               for i in range(n - 5, n)])
     assert np.array_equal(rows, singles)
     assert np.array_equal(rows, alone[n - 5 :])
+    # 9 rows: the 2 x 12 blocks (a step of 8 concurrent decodes takes them).
+    nine = _forward(core, [(a[n - 9 :], n - 9, list(range(0, 8)))], use_stack=True)
+    assert np.array_equal(nine, alone[n - 9 :])
 
 
 @needs_kernel

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.cpu import qgemm
-from engine.cpu.qgemm import PackedWeights, qgemm_host
+from engine.cpu.qgemm import PackedWeights, qgemm_host, rows_host
 
 WHY = qgemm.unsupported_reason()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"qgemm cannot run here: {WHY}")
@@ -36,15 +36,15 @@ def unpack_affine(w: mx.array, scales: mx.array, biases: mx.array, bits: int, gr
 def make_weights(fmt: str, n: int, k: int, group: int, scale_dtype: mx.Dtype = mx.float16,
                  seed: int = 0) -> tuple[PackedWeights, np.ndarray]:
     w = mx.array(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32))
-    if fmt in ("bf16", "f16"):
-        low = w.astype(mx.bfloat16 if fmt == "bf16" else mx.float16)
+    if fmt in ("f32", "bf16", "f16"):
+        low = w.astype({"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}[fmt])
         return PackedWeights.floats(low), _host(low)
     bits = int(fmt[1:])
     q, s, b = mx.quantize(w.astype(scale_dtype), group_size=group, bits=bits)
     return PackedWeights.affine(q, s, b, group, bits), unpack_affine(q, s, b, bits, group)
 
 
-CASES = [("bf16", 0, mx.float32), ("f16", 0, mx.float32)] + [
+CASES = [("f32", 0, mx.float32), ("bf16", 0, mx.float32), ("f16", 0, mx.float32)] + [
     (f"q{bits}", g, sd) for bits in (8, 4) for g in (32, 64, 128) for sd in (mx.float16, mx.bfloat16)
 ] + [("q4", 32, mx.float32), ("q8", 64, mx.float32)]
 
@@ -52,7 +52,7 @@ CASES = [("bf16", 0, mx.float32), ("f16", 0, mx.float32)] + [
 @pytest.mark.parametrize(("fmt", "group", "scale_dtype"), CASES)
 def test_matches_dequantize_then_multiply_every_row_count(fmt: str, group: int,
                                                           scale_dtype: mx.Dtype) -> None:
-    n, k = 42, 256  # 42: ten 4-row blocks and two rows left over
+    n, k = 43, 256  # 43: ten 4-row blocks (21 2-row blocks past 6 rows) and rows left over
     pw, ref_w = make_weights(fmt, n, k, group, scale_dtype)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((256, k)).astype(np.float32)
@@ -64,11 +64,11 @@ def test_matches_dequantize_then_multiply_every_row_count(fmt: str, group: int,
         assert err <= tol, f"{fmt} group {group} M={m}: max error {err:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "f16", "q8", "q4"])
-@pytest.mark.parametrize("m", [2, 5, 7, 13, 64, 256])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "q8", "q4"])
+@pytest.mark.parametrize("m", [2, 5, 7, 12, 13, 64, 256])
 def test_rows_are_bitwise_batch_invariant(fmt: str, m: int) -> None:
     # 1536 x 576: large enough for the threaded path
-    pw, _ = make_weights(fmt, 1536, 576, 0 if fmt in ("bf16", "f16") else 32)
+    pw, _ = make_weights(fmt, 1536, 576, 0 if fmt in ("f32", "bf16", "f16") else 32)
     a = np.random.default_rng(m).standard_normal((m, 576)).astype(np.float32)
     full = qgemm_host(a, pw)
     alone = np.concatenate([qgemm_host(np.ascontiguousarray(a[i : i + 1]), pw) for i in range(m)])
@@ -98,3 +98,15 @@ def test_no_rows_give_an_empty_product() -> None:
     """A step whose rows are all prefill asks the head for 0 rows of logits."""
     pw, _ = make_weights("q4", 8, 64, 32)
     assert qgemm.qgemm(mx.zeros((0, 64)), pw).shape == (0, 8)
+
+
+@pytest.mark.parametrize(("fmt", "group", "scale_dtype"), CASES)
+def test_embedding_rows_equal_the_dequantized_table(fmt: str, group: int, scale_dtype: mx.Dtype) -> None:
+    """The embedding lookup reads the table the head multiplies by: each row in its natural order."""
+    pw, ref_w = make_weights(fmt, 50, 128, group, scale_dtype)
+    ids = np.array([0, 49, 7, 7, 31], dtype=np.int32)
+    got = rows_host(ids, pw)
+    assert got.shape == (5, 128)
+    np.testing.assert_allclose(got, ref_w[ids], rtol=2e-7, atol=2e-7 * np.abs(ref_w).max())
+    with pytest.raises(ValueError, match="out of range"):
+        rows_host(np.array([50], dtype=np.int32), pw)
