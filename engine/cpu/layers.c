@@ -135,7 +135,7 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     float *gp = pd ? malloc(sizeof(float) * T * I) : NULL;
     float *cs = malloc(sizeof(float) * T * half), *sn = malloc(sizeof(float) * T * half);
     float *scores = malloc(sizeof(float) * (size_t)nth * G * (max_ctx > 0 ? max_ctx : 1));
-    float *bufs = T > MB2 ? malloc(sizeof(float) * (size_t)nth * WR * Kmax) : NULL;
+    float *bufs = T > MB2 ? malloc(sizeof(float) * (size_t)nth * WRB * Kmax) : NULL;
     int rc = x && q && k && v && att && o && g && u && cs && sn && scores && (xp || !(pq || pg)) &&
              (attp || !po) && (gp || !pd) ? 0 : -1;
     if (rc == 0) {
@@ -149,7 +149,7 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
 #pragma omp parallel num_threads(nth)
         {
             const int n = omp_get_num_threads(), tid = omp_get_thread_num();
-            float *buf = bufs ? bufs + (size_t)tid * WR * Kmax : NULL;
+            float *buf = bufs ? bufs + (size_t)tid * WRB * Kmax : NULL;
             float *sc = scores + (size_t)tid * G * (max_ctx > 0 ? max_ctx : 1);
             int j0, j1;
             for (int l = 0; l < m->num_layers; l++) {

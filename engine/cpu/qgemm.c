@@ -29,7 +29,9 @@ enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
 #endif
 // Past MB rows, 2 weight rows against chunks of at most MB2: 2 x 12 accumulators, so each dequantized
 // slice feeds 12 FMAs per row instead of 6.
-enum { WR = 4, MB = 6, WR2 = 2, MB2 = 12, PREFETCH_BYTES = QGEMM_PREFETCH };
+// Past MB2 rows (prefill) the activations go in chunks of MB rows against WRB weight rows at a time,
+// which stay in L1 (dequantized once into a buffer) while every chunk passes over them.
+enum { WR = 4, MB = 6, WR2 = 2, MB2 = 12, WRB = 8, PREFETCH_BYTES = QGEMM_PREFETCH };
 // Groups per weight row the kernel takes (K = 32768 at group 32): their scales sit on the stack.
 enum { MAX_GROUPS = 1024 };
 
@@ -308,27 +310,36 @@ static void dequant_any(const Weights *W, int j, int n, float *buf) {
 }
 
 // Weight rows j0..j1-1 against all M rows. Up to MB2 rows dequantize in registers (WR rows a block up to
-// MB, WR2 past it). More rows go in balanced chunks of <= MB per WR-row weight block, and a low-precision
-// block is dequantized once into `buf` (WR * K floats) that every chunk reads from L1: the same values
-// and the same FMA chain per output element as in registers, so the same bits.
+// MB, WR2 past it). More rows go in balanced chunks of <= MB against WRB weight rows at a time; a
+// low-precision block of them is dequantized once into `buf` (WRB * K floats) that every chunk reads from
+// L1: the same values and the same FMA chain per output element as in registers, so the same bits.
 static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda, float *C, int ldc, float *buf) {
-    const int wide = M > MB && M <= MB2, wr = wide ? WR2 : WR;
-    const int chunks = wide ? 1 : (M + MB - 1) / MB;
-    if (chunks == 1 || W->fmt == FMT_F32) buf = NULL;
+    if (M <= MB2) {
+        const int wr = M > MB ? WR2 : WR;
+        for (int j = j0; j < j1; j += wr) {
+            const int many = j + wr <= j1;
+            const int rend = many ? j + wr : j1;
+            for (int jj = j; jj < rend; jj += many ? wr : 1) BLOCKS[W->fmt][many][M](W, A, lda, C, ldc, jj);
+        }
+        return;
+    }
+    const int chunks = (M + MB - 1) / MB;
+    if (W->fmt == FMT_F32) buf = NULL;
     const Weights F = {FMT_F32, W->K, W->K, SC_F32, 1, (const uint8_t *)buf, NULL, NULL};
-    for (int j = j0; j < j1; j += wr) {
-        const int many = j + wr <= j1;
-        const int rend = many ? j + wr : j1;
-        for (int jj = j; jj < rend; jj += many ? wr : 1) {
-            if (buf) dequant_any(W, jj, many ? wr : 1, buf);
-            for (int c = 0, r0 = 0; c < chunks; c++) {
-                const int rows = (M - r0) / (chunks - c);
+    for (int j = j0; j < j1; j += WRB) {
+        const int jn = j1 - j < WRB ? j1 - j : WRB;
+        if (buf) dequant_any(W, j, jn, buf);
+        for (int c = 0, r0 = 0; c < chunks; c++) {
+            const int rows = (M - r0) / (chunks - c);
+            for (int jj = 0; jj < jn;) {
+                const int four = jj + WR <= jn;
                 if (buf)
-                    BLOCKS[FMT_F32][many][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + jj, ldc, 0);
+                    BLOCKS[FMT_F32][four][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + j, ldc, jj);
                 else
-                    BLOCKS[W->fmt][many][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, jj);
-                r0 += rows;
+                    BLOCKS[W->fmt][four][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, j + jj);
+                jj += four ? WR : 1;
             }
+            r0 += rows;
         }
     }
 }
@@ -384,7 +395,7 @@ int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, cons
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         // Without the buffer (none needed, or malloc failed) every chunk dequantizes in registers: same bits.
-        float *buf = M > MB2 && fmt != FMT_F32 ? malloc(sizeof(float) * WR * (size_t)K) : NULL;
+        float *buf = M > MB2 && fmt != FMT_F32 ? malloc(sizeof(float) * WRB * (size_t)K) : NULL;
         int j0, j1;
         share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
         if (j0 < j1) run(&W, M, j0, j1, A, lda, C, ldc, buf);
