@@ -52,6 +52,7 @@ def run_batch(llm: Any, batch: list[list[int]], params: Any, tag: str) -> dict[s
     plist = params if isinstance(params, list) else [params] * len(batch)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     ttft: dict[str, float | None] = dict.fromkeys(ids)
+    e2e: dict[str, float | None] = dict.fromkeys(ids)
     finish: dict[str, str | None] = dict.fromkeys(ids)
     counts = SpecCounters()
     t0 = time.perf_counter()
@@ -66,6 +67,7 @@ def run_batch(llm: Any, batch: list[list[int]], params: Any, tag: str) -> dict[s
             tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:
                 finish[out.request_id] = out.finish_reason
+                e2e[out.request_id] = now - t0
         spec = stats.spec if stats is not None else None
         if spec is not None:
             counts.drafts += spec.num_drafts
@@ -75,9 +77,16 @@ def run_batch(llm: Any, batch: list[list[int]], params: Any, tag: str) -> dict[s
                 counts.per_pos[i] = counts.per_pos.get(i, 0) + n
     elapsed = time.perf_counter() - t0
     n_out = sum(len(t) for t in tokens.values())
+    # Decoding alone, per request (vLLM's TPOT, inverted): tokens after each request's first over the time
+    # from its first token to its last, so prefill and queueing are left out. Single stream: the decode rate.
+    timed = [(len(tokens[r]) - 1, e2e[r] - ttft[r]) for r in ids  # type: ignore[operator]
+             if ttft[r] is not None and e2e[r] is not None and len(tokens[r]) > 1]
+    decode_s = sum(t for _, t in timed)
     return {"elapsed_s": elapsed, "output_tokens": n_out,
             "output_tokens_per_s": n_out / elapsed if elapsed > 0 else None,
-            "ttft_s": [ttft[r] for r in ids], "finish_reasons": [finish[r] for r in ids],
+            "decode_tokens_per_s": sum(n for n, _ in timed) / decode_s if decode_s > 0 else None,
+            "ttft_s": [ttft[r] for r in ids], "e2e_s": [e2e[r] for r in ids],
+            "finish_reasons": [finish[r] for r in ids],
             "token_ids": [tokens[r] for r in ids],
             "spec": acceptance_summary(counts) if core.spec is not None else None}
 
@@ -191,9 +200,13 @@ def run(args: argparse.Namespace) -> int:
             rows += summary_rows({k: d for k, d in docs.items() if pairs[k][0] == prec})
         ref_label = next((k for k, (p, m) in pairs.items() if p == "float32" and chosen[m] is None), None)
         if ref_label is not None:
-            ref_tps = docs[ref_label]["summary"]["output_tokens_per_s"]["mean"]
+            ref = docs[ref_label]["summary"]
+            ref_tps = ref["output_tokens_per_s"]["mean"]
+            ref_decode = (ref.get("decode_tokens_per_s") or {}).get("mean")
             for row in rows:
                 row["vs_float32"] = row["tok_s"] / ref_tps if ref_tps and row["tok_s"] else None
+                row["decode_vs_float32"] = (row["decode_tok_s"] / ref_decode
+                                            if ref_decode and row["decode_tok_s"] else None)
         all_rows += [{**row, "temperature": temp} for row in rows]
         all_docs.update({f"{label}{where}": doc for label, doc in docs.items()})
     table = summary_table(all_rows, with_temperature=len(temps) > 1)
@@ -264,6 +277,8 @@ def document(label: str, spec: Any, runs: list[dict[str, Any]], warm: list[dict[
             "elapsed_s": _stats([r["elapsed_s"] for r in runs]),
             "output_tokens_per_s": _stats([r["output_tokens_per_s"] for r in runs
                                            if r["output_tokens_per_s"]]),
+            "decode_tokens_per_s": _stats([r["decode_tokens_per_s"] for r in runs
+                                           if r.get("decode_tokens_per_s")]),
             "output_tokens": runs[0]["output_tokens"] if runs else 0,
             "identical_across_repeats": all(r["token_ids"] == runs[0]["token_ids"] for r in runs),
             "spec": merge_spec(measured) if measured else None,
@@ -288,6 +303,7 @@ def summary_rows(docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         base_tps = base["summary"]["output_tokens_per_s"]["mean"] if base else None
         rows.append({
             "label": label, "tok_s": tps["mean"], "min": tps["min"], "max": tps["max"],
+            "decode_tok_s": (d["summary"].get("decode_tokens_per_s") or {}).get("mean"),
             "speedup": tps["mean"] / base_tps if base_tps and tps["mean"] and d is not base else None,
             "speedup_rounds": per_round,
             "acceptance": spec.get("acceptance_rate"), "length": spec.get("mean_acceptance_length"),
@@ -305,14 +321,16 @@ def _f(v: float | None, fmt: str = ".2f") -> str:
 def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) -> str:
     """Markdown: one row per mode (and temperature)."""
     vs32 = any("vs_float32" in r for r in rows)
-    head = ["mode", *(["temperature"] if with_temperature else []), "tok/s (min-max)", "x off",
-            *(["x float32 off"] if vs32 else []), "x off, per round", "acc. rate", "acc. len",
+    head = ["mode", *(["temperature"] if with_temperature else []), "tok/s (min-max)", "decode tok/s",
+            "x off", *(["x float32 off", "decode x float32 off"] if vs32 else []), "x off, per round",
+            "acc. rate", "acc. len",
             "acceptance per position", "greedy ids = off"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"], *([f"{r['temperature']:g}"] if with_temperature else []),
                  f"{_f(r['tok_s'], '.1f')} ({_f(r['min'], '.1f')}-{_f(r['max'], '.1f')})",
-                 _f(r["speedup"]), *([_f(r.get("vs_float32"))] if vs32 else []),
+                 _f(r.get("decode_tok_s"), ".1f"), _f(r["speedup"]),
+                 *([_f(r.get("vs_float32")), _f(r.get("decode_vs_float32"))] if vs32 else []),
                  " ".join(_f(x) for x in r["speedup_rounds"]) or "-", _f(r["acceptance"]),
                  _f(r["length"]), " ".join(_f(p) for p in r["per_pos"]) or "-",
                  "-" if r["same_ids"] is None else ("yes" if r["same_ids"] else "NO")]

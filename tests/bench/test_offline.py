@@ -56,6 +56,11 @@ def test_json_validates_and_records_the_run(results: dict[str, dict[str, Any]], 
     for run in doc["runs"]:
         assert [len(t) for t in run["token_ids"]] == [MAX_TOKENS, MAX_TOKENS]  # --ignore-eos
         assert run["output_tokens"] == 2 * MAX_TOKENS and run["output_tokens_per_s"] > 0
+        # Decoding alone: each request's tokens after its first, over first to last token (no prefill).
+        for ttft, e2e in zip(run["ttft_s"], run["e2e_s"], strict=True):
+            assert 0 < ttft < e2e <= run["elapsed_s"]
+        decode_s = sum(e - t for t, e in zip(run["ttft_s"], run["e2e_s"], strict=True))
+        assert run["decode_tokens_per_s"] == pytest.approx(2 * (MAX_TOKENS - 1) / decode_s)
     assert doc["summary"]["identical_across_repeats"]
     spec, expected = doc["summary"]["spec"], modes.speculative_config(label)
     if expected is None:
