@@ -44,7 +44,10 @@ typedef struct {
 // A row's `n` group scales (or biases) as float32: the stored row itself when float32, else converted
 // into `buf` (n <= MAX_GROUPS), 16 at a time.
 static inline const float *group_params(const void *p, size_t at, int n, int sdtype, float *buf) {
-    if (sdtype == SC_F32) return (const float *)p + at;
+    if (sdtype == SC_F32) {
+        memcpy(buf, (const float *)p + at, sizeof(float) * (size_t)n);
+        return buf;
+    }
     const uint16_t *h = (const uint16_t *)p + at;
     int i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -118,24 +121,26 @@ static inline __attribute__((always_inline)) void block4(const int FMT, const in
     const uint8_t *r0 = W->w + (size_t)j * rb, *r1 = r0 + rb, *r2 = r1 + rb, *r3 = r2 + rb;
     ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5)
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, b0 = s0, b1 = s0, b2 = s0, b3 = s0;
+    // Row r's group scales at buf[2r], biases at buf[2r + 1]: one base, fixed offsets (no pointer per row).
     float buf[2 * WR][quant ? MAX_GROUPS : 1];
-    const float *sc[WR], *bi[WR];
     if (quant)
         for (int r = 0; r < WR; r++) {
-            sc[r] = group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
-            bi[r] = group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
+            group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
+            group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
         }
+    // Group 32 (GGUF's, the common 4-bit case): one 32-weight step per group, no inner loop.
+    const int g32 = FMT == FMT_Q4 && step == 32;
     for (int g = 0, k = 0; k < K; g++) {
         if (quant) {  // broadcasts straight from memory: no arithmetic port
-            s0 = _mm512_set1_ps(sc[0][g]), s1 = _mm512_set1_ps(sc[1][g]);
-            s2 = _mm512_set1_ps(sc[2][g]), s3 = _mm512_set1_ps(sc[3][g]);
-            b0 = _mm512_set1_ps(bi[0][g]), b1 = _mm512_set1_ps(bi[1][g]);
-            b2 = _mm512_set1_ps(bi[2][g]), b3 = _mm512_set1_ps(bi[3][g]);
+            s0 = _mm512_set1_ps(buf[0][g]), s1 = _mm512_set1_ps(buf[2][g]);
+            s2 = _mm512_set1_ps(buf[4][g]), s3 = _mm512_set1_ps(buf[6][g]);
+            b0 = _mm512_set1_ps(buf[1][g]), b1 = _mm512_set1_ps(buf[3][g]);
+            b2 = _mm512_set1_ps(buf[5][g]), b3 = _mm512_set1_ps(buf[7][g]);
             if (FMT == FMT_Q4)
                 s0 = q4_table(s0, b0), s1 = q4_table(s1, b1), s2 = q4_table(s2, b2), s3 = q4_table(s3, b3);
         }
         if (FMT == FMT_Q4) {  // 32 weights a step: one load per row, its low then its high nibbles
-            for (const int end = k + step; k < end; k += 32) {
+            for (const int end = k + (g32 ? 32 : step); k < end; k += 32) {
                 const size_t at = (size_t)k / 2;
                 _mm_prefetch((const char *)r0 + at + PREFETCH_BYTES, _MM_HINT_T0);
                 _mm_prefetch((const char *)r1 + at + PREFETCH_BYTES, _MM_HINT_T0);
@@ -162,7 +167,7 @@ static inline __attribute__((always_inline)) void block4(const int FMT, const in
             }
             continue;
         }
-        for (const int end = k + step; k < end; k += 16) {
+        for (const int end = k + (quant && step == 32 ? 32 : step); k < end; k += 16) {
             const size_t ahead = k * rb / K + PREFETCH_BYTES;
             _mm_prefetch((const char *)r0 + ahead, _MM_HINT_T0);
             _mm_prefetch((const char *)r1 + ahead, _MM_HINT_T0);
@@ -202,20 +207,19 @@ static inline __attribute__((always_inline)) void block2(const int FMT, const in
     const uint8_t *r0 = W->w + (size_t)j * rb, *r1 = r0 + rb;
     ACC2_ALL(ACC2_ZERO)
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
-    float buf[2 * WR2][quant ? MAX_GROUPS : 1];
-    const float *sc[WR2], *bi[WR2];
+    float buf[2 * WR2][quant ? MAX_GROUPS : 1];  // as in block4
     if (quant)
         for (int r = 0; r < WR2; r++) {
-            sc[r] = group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
-            bi[r] = group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
+            group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
+            group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
         }
     for (int g = 0, k = 0; k < K; g++) {
         if (quant) {
-            s0 = _mm512_set1_ps(sc[0][g]), s1 = _mm512_set1_ps(sc[1][g]);
-            b0 = _mm512_set1_ps(bi[0][g]), b1 = _mm512_set1_ps(bi[1][g]);
+            s0 = _mm512_set1_ps(buf[0][g]), s1 = _mm512_set1_ps(buf[2][g]);
+            b0 = _mm512_set1_ps(buf[1][g]), b1 = _mm512_set1_ps(buf[3][g]);
             if (FMT == FMT_Q4) s0 = q4_table(s0, b0), s1 = q4_table(s1, b1);
         }
-        for (const int end = k + step; k < end; k += 16) {
+        for (const int end = k + (quant && step == 32 ? 32 : step); k < end; k += 16) {
             const size_t ahead = k * rb / K + PREFETCH_BYTES;
             _mm_prefetch((const char *)r0 + ahead, _MM_HINT_T0);
             _mm_prefetch((const char *)r1 + ahead, _MM_HINT_T0);
