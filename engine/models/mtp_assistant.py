@@ -204,9 +204,18 @@ class LoadedAssistant:
     head_token_ids: mx.array | None = None
 
 
-def load_assistant(path: str, target: LoadedModel) -> LoadedAssistant:
-    """Load + check an assistant folder against the target (start-up; raises MTPAssistantError)."""
+def load_assistant(path: str, target: LoadedModel, revision: str | None = None,
+                   ) -> LoadedAssistant:
+    """Load + check an assistant against the target (start-up; raises MTPAssistantError). `path`: a
+    folder or a Hub id (`revision`: a branch, tag or commit of it, as the guide pins them)."""
+    from engine.models.loader import resolve_source
+
     folder = Path(path).expanduser()
+    if not folder.exists():
+        try:
+            folder = resolve_source(path, revision)[1]
+        except (OSError, ValueError) as e:  # not a Hub id, not in the cache offline, no such revision
+            raise _fail(f"{path!r} is not a folder with a config.json, nor a Hub id found ({e})") from e
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise _fail(f"{path!r} is not a folder with a config.json")

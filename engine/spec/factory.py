@@ -59,7 +59,7 @@ def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_
         if target is None or runner is None:
             raise ValueError("method 'mtp' needs the target model and its runner")
         try:
-            assistant = load_assistant(spec.model, target)
+            assistant = load_assistant(spec.model, target, spec.revision)
         except OSError as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
         return MTPProposer(assistant, target, runner, spec.draft_min_token_prob,
