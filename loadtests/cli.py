@@ -69,6 +69,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     _mode_arguments(p)
     p.add_argument("--model", default=None,
                    help="target: HF folder, GGUF or Hub id (default: the default model)")
+    p.add_argument("--revision", default=None, help="the target's Hub revision (branch, tag or commit)")
+    g = p.add_argument_group("the speculative-decoding guide's form (one more mode, 'assistant')")
+    g.add_argument("--assistant-model", default=None, metavar="MODEL",
+                   help="an MTP assistant (mtp) or a smaller model of the target's family (draft_model): "
+                        "folder or Hub id; runs as mode 'assistant' beside off")
+    g.add_argument("--assistant-revision", default=None, help="its Hub revision")
+    g.add_argument("--num-speculative-tokens", type=int, default=1,
+                   help="K for --assistant-model (default: %(default)s, as the guide runs Gemma4 assistants)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="requests per run, all in flight at once (sets --num-prompts and --max-num-seqs)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--precisions", default=None, metavar="LIST",
                    help="comma-separated weight precisions to compare (auto, float32, bfloat16, float16, q8, "

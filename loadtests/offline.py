@@ -6,7 +6,10 @@ generates the whole prompt set: `--num-prompts` requests (cycling through the da
 once, at most `--max-num-seqs` in flight (1: one stream, one request after the other). After
 `--num-warmups` unmeasured runs per mode come `--repeats` rounds, each running every mode once in
 alternating order, so drift in the machine's speed hits every mode alike. `--temperature 0,0.7,1` runs
-the whole comparison at each temperature in turn (sampled requests share `--seed`). `--precisions
+the whole comparison at each temperature in turn (sampled requests share `--seed`). `--assistant-model
+A` (the speculative-decoding guide's form, with `--batch-size N`: N requests at once) adds mode
+`assistant`: `mtp` when A is an MTP assistant, `draft_model` otherwise, K = `--num-speculative-tokens`.
+`--precisions
 float32,bfloat16,q8,auto` loads the target once per weight precision and runs every (precision, mode)
 pair in the same interleaved rounds; each precision's modes are compared with its own `off`, and every
 run with float32's `off`; a second table gives each precision's top-1 agreement with float32 and its
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -42,6 +46,22 @@ _ENV_PREFIXES = ("SPECSERVE_", "MLX_", "OMP_", "MKL_", "OPENBLAS_", "VECLIB_", "
 _ENV_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
 _PACKAGES = ("specserve", "mlx", "mlx-cpu", "mlx-metal", "mlx-lm", "numpy", "transformers", "tokenizers",
              "safetensors", "mkl")
+
+
+def assistant_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative config of --assistant-model: `mtp` for an MTP assistant (it names itself in its
+    config's model_type), `draft_model` for any other model."""
+    from engine.models.loader import resolve_source
+    from engine.models.mtp_assistant import MTP_MODEL_TYPES
+
+    path = resolve_source(args.assistant_model, args.assistant_revision)[1]
+    model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+    method = "mtp" if model_type in MTP_MODEL_TYPES else "draft_model"
+    cfg: dict[str, Any] = {"method": method, "model": args.assistant_model,
+                           "num_speculative_tokens": args.num_speculative_tokens}
+    if args.assistant_revision:
+        cfg["revision"] = args.assistant_revision
+    return cfg
 
 
 def run_batch(llm: Any, batch: list[list[int]], params: Any, tag: str) -> dict[str, Any]:
@@ -133,15 +153,20 @@ def run(args: argparse.Namespace) -> int:
     from engine.models.loader import load_model
     from engine.sampling import SamplingParams
 
+    if getattr(args, "batch_size", None) is not None:
+        args.num_prompts = args.max_num_seqs = args.batch_size
     if args.num_prompts < 1 or args.repeats < 1 or args.num_warmups < 0 or args.max_tokens < 1:
         raise SystemExit("--num-prompts, --repeats and --max-tokens must be >= 1, --num-warmups >= 0")
+    if getattr(args, "assistant_model", None):
+        extra = "assistant=" + json.dumps(assistant_config(args))
+        args.speculative_config = [*args.speculative_config, extra]
     temps = temperatures(args.temperature)
     default = [modes_mod.OFF] if args.speculative_config else modes_mod.available()
     chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config, default)
     items = load_dataset(args.dataset_name, args.data)
     t_load = time.perf_counter()
     precisions: list[str | None] = precision_list(args.precisions) if args.precisions else [None]
-    targets = {p: load_model(args.model, progress=False,
+    targets = {p: load_model(args.model, progress=False, revision=getattr(args, "revision", None),
                              **(load_args(p) if p else {"dtype": args.dtype}))  # type: ignore[arg-type]
                for p in precisions}
     loaded = targets[precisions[0]]
@@ -339,8 +364,6 @@ def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) ->
 
 
 def write(docs: dict[str, dict[str, Any]], table: str, out: Path) -> None:
-    import json
-
     from loadtests.schema import validate
 
     out.mkdir(parents=True, exist_ok=True)

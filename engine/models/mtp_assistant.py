@@ -28,6 +28,8 @@ from engine.models.loader import LoadedModel
 from engine.models.mtp_trained import check_config, id_out_of_range, load_trained
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_mtp")
+# Every model_type this module loads (specserve_mtp: assistants trained by `specserve train-assistant`).
+MTP_MODEL_TYPES = (*ASSISTANT_TYPES, "specserve_mtp")
 TARGET_TYPES = ("gemma4", "gemma4_text")
 
 

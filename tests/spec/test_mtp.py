@@ -327,3 +327,33 @@ def test_target_and_assistant_by_hub_id_with_pinned_revisions(tmp_path: Path) ->
     assert lines[-2].startswith("MAIN REFUSED") and "vocabulary size mismatch" in lines[-2], lines
     source, same, drafted = lines[-1].split()
     assert source == "hub" and same == "True" and int(drafted) > 0, lines[-1]
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft_model"])
+def test_guide_benchmark_form(tmp_path: Path, kind: str) -> None:
+    """`specserve bench offline --model T --assistant-model A --batch-size 4 --max-tokens N --ignore-eos`:
+    an MTP assistant runs as mtp, any other model as draft_model; the JSON names both models."""
+    from server.cli import main
+
+    if kind == "mtp":
+        tdir, assistant, _, _ = make_pair(tmp_path / "src", seed=1)
+    else:  # the guide's Qwen3 pair
+        from tests.spec.test_qwen3_draft import make_qwen3
+
+        tdir, assistant = tmp_path / "target", tmp_path / "draft"
+        make_qwen3(tdir, 0, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16)
+        make_qwen3(assistant, 1, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16)
+    out = tmp_path / "out"
+    rc = main(["bench", "offline", "--model", str(tdir), "--assistant-model", str(assistant),
+               "--batch-size", "4", "--max-tokens", "8", "--ignore-eos", "--dtype", "float32",
+               "--dataset-name", "chat", "--repeats", "1", "--num-warmups", "0", "--max-model-len", "256",
+               "--kv-cache-memory", "64MiB", "--output-dir", str(out)])
+    assert rc == 0  # 1: the assistant changed greedy token ids
+    off, spec = (json.loads((out / f"{m}.json").read_text()) for m in ("off", "assistant"))
+    assert spec["config"]["method"] == kind and spec["config"]["num_speculative_tokens"] == 1
+    assert spec["config"]["batch_size"] == 4 and len(spec["prompts"]) == 4
+    assert spec["models"]["target"]["path"] == str(tdir)
+    assert spec["models"]["draft"]["path"] == str(assistant)
+    assert spec["runs"][0]["token_ids"] == off["runs"][0]["token_ids"]
+    assert all(len(t) == 8 for t in spec["runs"][0]["token_ids"])
+    assert spec["summary"]["spec"]["num_draft_tokens"] > 0

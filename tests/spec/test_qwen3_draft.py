@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 49152  # SmolLM2's tokenizer files
 
 
-def _make(folder: Path, seed: int, hidden: int, layers: int, heads: int, kv_heads: int,
+def make_qwen3(folder: Path, seed: int, hidden: int, layers: int, heads: int, kv_heads: int,
           head_dim: int) -> object:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -51,8 +51,8 @@ def _make(folder: Path, seed: int, hidden: int, layers: int, heads: int, kv_head
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, object]:
     root = tmp_path_factory.mktemp("qwen3")
-    target = _make(root / "target", 0, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16)
-    _make(root / "draft", 1, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16)
+    target = make_qwen3(root / "target", 0, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16)
+    make_qwen3(root / "draft", 1, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16)
     return root / "target", root / "draft", target
 
 
