@@ -1,10 +1,12 @@
-"""Convert a llama-architecture GGUF file into an MLX (mlx-lm / Hugging Face style) model folder.
+"""Convert a llama, qwen2 or qwen3 GGUF file into an MLX (mlx-lm / Hugging Face style) model folder.
 
 `mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
 triples (`.weight` uint32, `.scales` / `.biases` float16, group size 32), F32 stays float32 and
 F16 / BF16 / K-quants come back as float16.  This module renames the tensors to the Hugging Face
-llama layout, undoes llama.cpp's Q/K row permutation, and rebuilds config.json and a `tokenizers`
-tokenizer.json from the GGUF metadata.
+layout of the family, undoes llama.cpp's Q/K row permutation (llama only: llama.cpp's converter
+permutes nothing for the NeoX-RoPE qwen families), and rebuilds config.json and a `tokenizers`
+tokenizer.json from the GGUF metadata. Metadata keys and each architecture's tensor list come from
+the `gguf` package's tables (the ones llama.cpp's own converter writes with).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
@@ -40,7 +43,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Architectures served: their Hugging Face class and whether llama.cpp permuted Q/K rows. Others (gemma3,
+# gemma4: norm offsets, embedding scales, per-layer head sizes) are refused by name.
+_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
+          "qwen3": ("Qwen3ForCausalLM", False)}
 
 # tokenizer.ggml.pre -> pre-tokenizer family (llama.cpp's llama-vocab.cpp groups them the same way).
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
@@ -98,7 +107,7 @@ def _hf_name(name: str) -> str:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{'.'.join(parts[3:])}"
     if parts[0] in _TOP_NAMES and len(parts) >= 2:
         return f"{_TOP_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
-    raise ValueError(f"GGUF tensor {name!r} has no llama equivalent")
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent here")
 
 
 def _quant_params(weights: dict[str, mx.array], module: str) -> dict[str, int]:
@@ -125,10 +134,11 @@ def _quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
     return config
 
 
-def _llama3_rope_scaling(factors: list[float], theta: float, head_dim: int, md: dict) -> dict[str, Any]:
+def _llama3_rope_scaling(factors: list[float], theta: float, head_dim: int, md: dict,
+                         arch: str = "llama") -> dict[str, Any]:
     """Recover HF's llama3 rope_scaling from the rope_freqs tensor llama.cpp derived from it."""
     factor = max(factors)
-    orig = int(_py(md.get("llama.rope.scaling.original_context_length", 8192)))
+    orig = int(_py(md.get(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch), 8192)))
     for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
         expected = []
         for i in range(0, head_dim, 2):
@@ -146,19 +156,20 @@ def _llama3_rope_scaling(factors: list[float], theta: float, head_dim: int, md: 
     raise NotImplementedError("rope_freqs.weight does not match any llama3 rope scaling this converter knows")
 
 
-def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: mx.array | None) -> dict:
+def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: mx.array | None,
+                  arch: str = "llama") -> dict:
     def get(key: str, default: Any = None) -> Any:
-        value = _py(md.get(f"llama.{key}", default))
+        value = _py(md.get(f"{arch}.{key}", default))
         if value is None:
-            raise ValueError(f"GGUF metadata lacks llama.{key}")
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
     def scalar(key: str, default: Any = None) -> Any:
         value = get(key, default)
-        # Some GGUFs store per-layer lists; the llama architecture needs them uniform.
+        # Some GGUFs store per-layer lists; these architectures need them uniform.
         if isinstance(value, list):
             if len(set(value)) != 1:
-                raise NotImplementedError(f"llama.{key} varies per layer: {value}")
+                raise NotImplementedError(f"{arch}.{key} varies per layer: {value}")
             value = value[0]
         return value
 
@@ -169,8 +180,8 @@ def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: 
         raise NotImplementedError(f"partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     theta = _f32(get("rope.freq_base", 10000.0))
     config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [_ARCHS[arch][0]],
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(scalar("feed_forward_length")),
@@ -186,9 +197,9 @@ def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: 
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in weights,
         "hidden_act": "silu",
     }
-    scaling = _py(md.get("llama.rope.scaling.type"))
+    scaling = _py(md.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch)))
     if rope_freqs is not None:
-        config["rope_scaling"] = _llama3_rope_scaling(rope_freqs.tolist(), theta, head_dim, md)
+        config["rope_scaling"] = _llama3_rope_scaling(rope_freqs.tolist(), theta, head_dim, md, arch)
     elif scaling in ("linear", "yarn"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
         if scaling == "yarn":
@@ -347,25 +358,30 @@ def _load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
 
 def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | None = None) -> GGUFModel:
-    """Read a llama GGUF into HF/mlx-lm named weights plus config and tokenizer files.
+    """Read a llama / qwen2 / qwen3 GGUF into HF/mlx-lm named weights plus config and tokenizer files.
 
     `dtype` casts every float tensor, quantization scales/biases included; None keeps float16
     when the file holds any half-precision data. (On MLX's CPU backend float32 quantized matmuls
     are far faster than float16 ones.)
     """
     raw, md = _load(Path(path))
-    arch = _py(md.get("general.architecture"))
-    if arch != "llama":
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    n_layers = int(_py(md["llama.block_count"]))
-    n_head = _py(md["llama.attention.head_count"])
-    n_kv = _py(md.get("llama.attention.head_count_kv", n_head))
-    heads = {"attn_q": n_head, "attn_k": n_kv}
+    arch = _py(md.get(gguf.Keys.General.ARCHITECTURE))
+    if arch not in _ARCHS:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only {', '.join(_ARCHS)})")
+    n_layers = int(_py(md[gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)]))
+    n_head = _py(md[gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)])
+    n_kv = _py(md.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_head))
+    heads = {"attn_q": n_head, "attn_k": n_kv} if _ARCHS[arch][1] else {}
     heads = {k: int(v[0] if isinstance(v, list) else v) for k, v in heads.items()}
 
-    # mx.load silently drops tensors of some types (e.g. MXFP4); fail loudly instead.
+    # mx.load silently drops tensors of some types (e.g. MXFP4); fail loudly instead. Expected: the
+    # architecture's block tensors (gguf's table) that these families always have.
     bases = {n.rsplit(".", 1)[0] for n in raw}
-    expected = {"token_embd", "output_norm"} | {f"blk.{i}.{b}" for i in range(n_layers) for b in _LAYER_NAMES}
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    block = [gguf.TENSOR_NAMES[t].split(".")[-1] for t in gguf.MODEL_TENSORS[arch_enum]
+             if gguf.TENSOR_NAMES[t].startswith("blk.")]
+    required = [b for b in block if b in _LAYER_NAMES]
+    expected = {"token_embd", "output_norm"} | {f"blk.{i}.{b}" for i in range(n_layers) for b in required}
     if missing := sorted(expected - bases):
         raise ValueError(f"GGUF lacks tensors {missing[:5]} (unsupported tensor type?)")
 
@@ -385,7 +401,7 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
         mx.eval(w)
         weights[_hf_name(name)] = w
 
-    config = _build_config(md, weights, rope_freqs)
+    config = _build_config(md, weights, rope_freqs, arch)
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     if (quant := _quantization_config(weights)) is not None:
         config["quantization"] = quant

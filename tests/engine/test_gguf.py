@@ -319,8 +319,8 @@ def test_llama3_rope_scaling_recovered(tmp_path: Path) -> None:
 
 
 def test_rejects_other_architectures_and_keeps_folders_intact(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "q.gguf", VARIANTS["F32"], gpt2_vocab(), arch="qwen2")
-    with pytest.raises(NotImplementedError, match="qwen2"):
+    write_tiny_gguf(tmp_path / "q.gguf", VARIANTS["F32"], gpt2_vocab(), arch="gemma3")
+    with pytest.raises(NotImplementedError, match="'gemma3' is not supported"):
         convert_gguf(tmp_path / "q.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
     (tmp_path / "busy").mkdir()
@@ -397,3 +397,87 @@ def test_smollm2_generates_paris(smollm2_dir: Path) -> None:
                                            add_generation_prompt=True)
     text = generate(model, tokenizer, prompt, max_tokens=20)
     assert "Paris" in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# qwen2 / qwen3 GGUFs against transformers
+
+
+_GGUF_OF_HF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, i, rest = hf.split(".", 3)
+    module, leaf = rest.rsplit(".", 1)
+    return f"blk.{i}.{_GGUF_OF_HF[module]}.{leaf}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_serves_transformers_logits(tmp_path: Path, arch: str) -> None:
+    """A qwen2 (q/k/v biases) or qwen3 (q/k norms, head_dim apart from hidden / heads) GGUF written as
+    llama.cpp's converter writes it (metadata keys of the family, no Q/K permutation) gives transformers'
+    float32 logits at every position."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.models import adapter
+    from engine.models.loader import load_model
+
+    vocab = gpt2_vocab()
+    head_dim = 32 if arch == "qwen3" else HEAD_DIM
+    kw = dict(vocab_size=len(vocab["tokens"]), hidden_size=HIDDEN, intermediate_size=FFN,
+              num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+              rms_norm_eps=EPS, rope_theta=THETA, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=head_dim, **kw)).eval()
+    else:
+        ref = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw)).eval()
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.mul_(3.0) if prm.ndim == 2 else prm.add_(0.1 * torch.randn_like(prm))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(THETA)
+    w.add_layer_norm_rms_eps(EPS)
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, value in ref.state_dict().items():
+        if name != "lm_head.weight":  # tied
+            w.add_tensor(_gguf_name(name), value.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded = load_model(str(tmp_path / "m.gguf"), dtype="float32", progress=False)
+    assert loaded.config["model_type"] == arch and loaded.config["head_dim"] == head_dim
+    core = EngineCore(EngineConfig(kv_cache_memory="32MiB", max_model_len=256, show_progress=False), loaded)
+    tokens = [5, 40, 77, 100, 3, 250, 12, 9, 61, 200]
+    h = core.runner.forward_chunks([(tokens, 0, list(range(8)), len(tokens))])
+    got = np.array(adapter.compute_logits(core.runner.model, h))
+    with torch.no_grad():
+        want = ref(torch.tensor([tokens])).logits[0].numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
