@@ -1,9 +1,15 @@
-"""Shared test helpers: one float32 default model per process, an mlx-lm reference decoder."""
+"""Shared test helpers: one float32 default model per process, an mlx-lm reference decoder, a Hub
+cache laid out as huggingface_hub writes it and a Python run offline against it."""
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -88,3 +94,24 @@ def _gammaincc(a: float, x: float) -> float:
 
 def chi2_sf(x: float, df: int) -> float:
     return _gammaincc(df / 2.0, x / 2.0)
+
+
+def hub_repo(cache: Path, repo_id: str, snapshots: dict[str, Path], refs: dict[str, str]) -> Path:
+    """A Hub cache entry as huggingface_hub lays it out: snapshots/<commit>/..., refs/<ref> -> commit."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    for commit, folder in snapshots.items():
+        shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    for ref, commit in refs.items():
+        (repo / "refs" / ref).write_text(commit)
+    return repo
+
+
+def run_offline(code: str, cache: Path, home: Path, timeout: int = 300) -> list[str]:
+    """Run `code` in a fresh Python (huggingface_hub reads its cache location at import) with the Hub
+    offline and `cache` as its cache; returns stdout's lines, failing the test on a non-zero exit."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(home))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.strip().splitlines()

@@ -82,6 +82,21 @@ def spm_vocab() -> dict:
             "bos": 1, "eos": 2, "unk": 0}
 
 
+def add_hyperparameters(w: gguf.GGUFWriter, head_dim: int | None = None) -> None:
+    """The tiny model's shape in the architecture's metadata keys (head_dim: written when given)."""
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(THETA)
+    w.add_layer_norm_rms_eps(EPS)
+
+
 def write_tiny_gguf(path: Path, types: dict[str, QT], vocab: dict, add_bos: bool = False,
                     extra: dict[str, np.ndarray] | None = None,
                     arch: str = "llama") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -92,15 +107,8 @@ def write_tiny_gguf(path: Path, types: dict[str, QT], vocab: dict, add_bos: bool
     """
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(THETA)
+    add_hyperparameters(w)
     w.add_rope_dimension_count(HEAD_DIM)
-    w.add_layer_norm_rms_eps(EPS)
     w.add_tokenizer_model(vocab["model"])
     if "pre" in vocab:
         w.add_tokenizer_pre(vocab["pre"])
@@ -446,16 +454,7 @@ def test_qwen_gguf_serves_transformers_logits(tmp_path: Path, arch: str) -> None
         for prm in ref.parameters():
             prm.mul_(3.0) if prm.ndim == 2 else prm.add_(0.1 * torch.randn_like(prm))
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(THETA)
-    w.add_layer_norm_rms_eps(EPS)
+    add_hyperparameters(w, head_dim)
     w.add_tokenizer_model(vocab["model"])
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])

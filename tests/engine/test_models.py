@@ -4,10 +4,7 @@ folder, and Hub ids resolved offline from a local cache (nothing is downloaded).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,7 +14,7 @@ from mlx.utils import tree_flatten
 from engine.llm import LLM
 from engine.models.loader import default_gguf_path, default_model_folder, load_model
 from engine.sampling import SamplingParams
-from tests.helpers import CHATS, default_model, reference_greedy
+from tests.helpers import CHATS, default_model, hub_repo, reference_greedy, run_offline
 
 VOCAB = 49152  # reuse SmolLM2's tokenizer files
 
@@ -129,11 +126,8 @@ def test_hub_id_resolves_offline_from_local_cache(tmp_path: Path) -> None:
     folder = make_tiny_folder("qwen3", tmp_path / "src")
     cache = tmp_path / "hub"
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = cache / "models--specserve-test--tiny-qwen3"
+    repo = hub_repo(cache, "specserve-test/tiny-qwen3", {commit: folder}, {"main": commit})
     snap = repo / "snapshots" / commit
-    shutil.copytree(folder, snap)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
     code = (
         "import engine\n"
         "from engine.models.loader import load_model\n"
@@ -143,11 +137,8 @@ def test_hub_id_resolves_offline_from_local_cache(tmp_path: Path) -> None:
         "llm = LLM(loaded=m, kv_cache_memory='32MiB', max_model_len=256, show_progress=False)\n"
         "o = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))\n"
         "print(m.source, m.path, o[0].token_ids)\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert res.returncode == 0, res.stderr[-2000:]
-    source, path, toks = res.stdout.strip().splitlines()[-1].split(" ", 2)
+    lines = run_offline(code, cache, tmp_path / "home", timeout=120)
+    source, path, toks = lines[-1].split(" ", 2)
     assert source == "hub" and Path(path) == snap
     local = load_model(str(folder), dtype="float32", progress=False)
     llm = LLM(loaded=local, kv_cache_memory="32MiB", max_model_len=256, show_progress=False)

@@ -22,7 +22,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.spec.mtp import MTPProposer
 from engine.spec.proposer import DraftRequest
-from tests.helpers import CHATS
+from tests.helpers import CHATS, hub_repo, run_offline
 
 torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install torch==2.13.0) "
                                             "is needed to build the transformers reference models")
@@ -273,31 +273,17 @@ def test_centroid_head_token_ordering_is_checked(tmp_path: Path, case: str, mess
         load_assistant(str(adir), loaded)
 
 
-def _hub_repo(cache: Path, repo_id: str, snapshots: dict[str, Path], refs: dict[str, str]) -> None:
-    """A Hub cache entry as huggingface_hub lays it out: snapshots/<commit>/..., refs/<branch> -> commit."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    for commit, folder in snapshots.items():
-        shutil.copytree(folder, repo / "snapshots" / commit)
-    (repo / "refs").mkdir(parents=True)
-    for ref, commit in refs.items():
-        (repo / "refs" / ref).write_text(commit)
-
-
 def test_target_and_assistant_by_hub_id_with_pinned_revisions(tmp_path: Path) -> None:
     """The guide's setup pins target and assistant revisions. Offline, from a local Hub cache: `main` of the
     assistant is a broken upload, the pinned commit is the good one; each loads what it names."""
-    import os
-    import subprocess
-    import sys
-
     tdir, adir, _, _ = make_pair(tmp_path / "src", seed=1)
     broken = tmp_path / "broken"
     shutil.copytree(adir, broken)
     _patch_config(broken, {"vocab_size": VOCAB - 8}, text=True)
     good, bad, tcommit = "a" * 40, "b" * 40, "c" * 40
     cache = tmp_path / "hub"
-    _hub_repo(cache, "specserve-test/tiny-gemma4", {tcommit: tdir}, {"main": tcommit, "v1": tcommit})
-    _hub_repo(cache, "specserve-test/tiny-gemma4-assistant", {good: adir, bad: broken}, {"main": bad})
+    hub_repo(cache, "specserve-test/tiny-gemma4", {tcommit: tdir}, {"main": tcommit, "v1": tcommit})
+    hub_repo(cache, "specserve-test/tiny-gemma4-assistant", {good: adir, bad: broken}, {"main": bad})
     code = (
         "import sys\n"
         "import engine\n"
@@ -319,11 +305,7 @@ def test_target_and_assistant_by_hub_id_with_pinned_revisions(tmp_path: Path) ->
         "outs = pinned.generate(prompts, p)\n"
         "print(pinned.core.loaded.source, [o.token_ids for o in outs] == plain,\n"
         "      sum(o.spec_num_draft_tokens for o in outs))\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.strip().splitlines()
+    lines = run_offline(code, cache, tmp_path / "home")
     assert lines[-2].startswith("MAIN REFUSED") and "vocabulary size mismatch" in lines[-2], lines
     source, same, drafted = lines[-1].split()
     assert source == "hub" and same == "True" and int(drafted) > 0, lines[-1]
