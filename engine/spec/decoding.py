@@ -124,6 +124,9 @@ class SpecDecoding:
         if not reqs:
             stats.spec_chosen_k = []
             return
+        if self.adaptive is not None and self.adaptive.drafting_hopeless(_decoding_requests(running)):
+            stats.spec_chosen_k = [0] * len(reqs)  # what choose() would say, without the lookups
+            return
         t0 = time.monotonic()
         drafts: list[list[int]] | None = None
         if self.adaptive is not None:

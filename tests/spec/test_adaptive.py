@@ -387,6 +387,42 @@ def test_no_probes_when_even_sure_drafts_cannot_pay() -> None:
     assert c.choose(cands, base_tokens=1) == [4]
 
 
+def test_hopeless_drafting_is_known_before_any_lookup() -> None:
+    """Where even sure drafts cannot pay at a request count, the controller says so from its prices alone
+    (the engine then skips the proposer); not before those prices are measured, and not where drafts pay."""
+    c, cands = controller(fixed=0.035, per_token=0.007, accept=1.0, max_k=4, draft=0.041)
+    assert c.drafting_hopeless(None)
+    assert all(c.choose(cands, base_tokens=1) == [0] for _ in range(20))  # what choose() says too
+    c, _ = controller(fixed=0.035, per_token=0.007, accept=1.0, max_k=4, draft=0.0005)
+    assert not c.drafting_hopeless(None)
+    assert not AdaptiveController(4).drafting_hopeless(None)  # nothing measured yet
+    assert not AdaptiveController(4).drafting_hopeless(8)
+
+
+def test_the_engine_skips_the_proposer_while_drafting_is_hopeless() -> None:
+    """The engine asks before looking drafts up: while hopeless, the proposer is not called and nothing is
+    drafted, and output stays plain decoding's."""
+    from tests.helpers import make_llm
+    from tests.spec.test_spec import GREEDY, assert_pool_full, prompts
+
+    plain = make_llm()
+    llm = make_llm(speculative_config=AUTO["ngram"])
+    spec = llm.core.speculation
+    calls: list[int] = []
+    original = spec.proposer.propose
+    spec.proposer.propose = lambda reqs: calls.append(len(reqs)) or original(reqs)  # type: ignore[method-assign]
+    spec.adaptive.drafting_hopeless = lambda rows: True  # type: ignore[method-assign]
+    ps = [llm.encode(p) for p in prompts()[-3:]]
+    outs = llm.generate(ps, GREEDY)
+    assert calls == [] and sum(o.spec_num_draft_tokens for o in outs) == 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(ps, GREEDY)]
+    assert_pool_full(llm)
+    # Without the verdict the same requests do look drafts up.
+    spec.adaptive.drafting_hopeless = lambda rows: False  # type: ignore[method-assign]
+    llm.generate(ps, GREEDY)
+    assert calls
+
+
 def test_probes_stop_where_their_yield_cannot_pay() -> None:
     # 32 requests whose drafts are accepted 1 time in 5; at 32 rows a token is worth 8.1 ms and a draft
     # costs 7 ms to verify, so only a request accepted ~9 times in 10 would pay. The first wave of probes
