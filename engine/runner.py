@@ -10,8 +10,8 @@ import numpy as np
 
 from engine.attention.reference import paged_attention_reference
 from engine.attention.types import build_metadata
+from engine.cpu.host import host_view
 from engine.cpu.layers import CpuLayerStack
-from engine.cpu.qgemm import host_view
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter

@@ -26,6 +26,7 @@ import numpy as np
 from engine.attention.reference import paged_attention_reference, random_case, reference_mismatch
 from engine.attention.types import AttentionMetadata
 from engine.cpu.build import build_library, compile_flags, cpu_kernel_reason
+from engine.cpu.host import host_view, pointer
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "attention.c"
 CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
@@ -47,18 +48,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _view(a: mx.array) -> np.ndarray:
-    """A zero-copy view of an evaluated, row-contiguous float32 MLX array."""
-    v = np.asarray(memoryview(a))
-    if not v.flags.c_contiguous:
-        raise ValueError("cpu_paged_attention needs row-contiguous arrays")
-    return v
-
-
-def _ptr(a: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
-
-
 def cpu_paged_attention(
     q: mx.array,  # [T, H, D]
     k_cache: mx.array,  # head-major [Hkv, slots, D], the step's new rows already written
@@ -78,9 +67,9 @@ def cpu_paged_attention(
     host = meta.host()
     out = np.empty((t, h, d), dtype=np.float32)
     rc = _lib().cpu_paged_attention(
-        t, h, hkv, d, _ptr(_view(q)), _ptr(_view(k_cache)), _ptr(_view(v_cache)), slots,
-        _ptr(host.positions), _ptr(host.token_table), _ptr(host.tables), host.block_size, window or 0,
-        scale, host.max_context, MAX_THREADS, _ptr(out))
+        t, h, hkv, d, *(pointer(host_view(a)) for a in (q, k_cache, v_cache)), slots,
+        *(pointer(a) for a in (host.positions, host.token_table, host.tables)), host.block_size, window or 0,
+        scale, host.max_context, MAX_THREADS, pointer(out))
     if rc != 0:
         raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
     return mx.array(out)

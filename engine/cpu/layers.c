@@ -88,17 +88,6 @@ static void rope(float *v, int d, const float *cs, const float *sn, int traditio
 
 static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// Whether any of the layers' products of one input reads 4-bit weights (then that input is permuted).
-static int any_q4(const Stack *m, int which) {
-    for (int l = 0; l < m->num_layers; l++) {
-        const Layer *L = &m->layers[l];
-        const int f[3] = {which == 0 ? L->q.fmt : which == 1 ? L->o.fmt : which == 2 ? L->gate.fmt : L->down.fmt,
-                          which == 0 ? L->k.fmt : which == 2 ? L->up.fmt : 0, which == 0 ? L->v.fmt : 0};
-        if (f[0] == FMT_Q4 || f[1] == FMT_Q4 || f[2] == FMT_Q4) return 1;
-    }
-    return 0;
-}
-
 // h: [T, hidden] in/out (the embeddings in, the last layer's residual stream out, normed by final_norm). pos, slot: [T];
 // tok_table, tables, bs, max_ctx: as cpu_paged_attention takes them. Returns 0, -1 (out of memory) or
 // -2 (a matmul refused its shapes).
@@ -111,12 +100,18 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     const int D = m->hidden, H = m->heads, Hkv = m->kv_heads, Dh = m->head_dim, I = m->inter, half = Dh / 2;
     const int G = H / Hkv;
     const size_t qn = (size_t)H * Dh, kn = (size_t)Hkv * Dh;
+    // Each input that some layer's product reads at 4 bits is also kept permuted (q4_permute_row).
+    int pq = 0, po = 0, pg = 0, pd = 0;
     for (int l = 0; l < m->num_layers; l++) {
         const Layer *L = &m->layers[l];
         const Mat *mats[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
         Weights W;
         for (int i = 0; i < 7; i++)
             if (mat_weights(mats[i], &W)) return -2;
+        pq |= L->q.fmt == FMT_Q4 || L->k.fmt == FMT_Q4 || L->v.fmt == FMT_Q4;
+        po |= L->o.fmt == FMT_Q4;
+        pg |= L->gate.fmt == FMT_Q4 || L->up.fmt == FMT_Q4;
+        pd |= L->down.fmt == FMT_Q4;
         if (L->q.n != (int)qn || L->k.n != (int)kn || L->v.n != (int)kn || L->o.n != D || L->o.k != (int)qn ||
             L->gate.n != I || L->up.n != I || L->down.n != D || L->down.k != I || L->q.k != D || L->k.k != D ||
             L->v.k != D || L->gate.k != D || L->up.k != D)
@@ -125,7 +120,6 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     int nth = omp_get_max_threads();
     if (max_threads > 0 && nth > max_threads) nth = max_threads;
     if (nth < 1) nth = 1;
-    const int pq = any_q4(m, 0), po = any_q4(m, 1), pg = any_q4(m, 2), pd = any_q4(m, 3);
     size_t Kmax = (size_t)D > qn ? (size_t)D : qn;  // the widest product input
     if ((size_t)I > Kmax) Kmax = (size_t)I;
     float *x = malloc(sizeof(float) * T * D), *xp = pq || pg ? malloc(sizeof(float) * T * D) : NULL;

@@ -22,7 +22,8 @@ import numpy as np
 from engine import envs
 from engine.attention.types import AttentionMetadata
 from engine.cpu.build import build_library, compile_flags
-from engine.cpu.qgemm import FORMATS, PackedWeights, host_view
+from engine.cpu.host import host_view
+from engine.cpu.qgemm import FORMATS, PackedWeights
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 from engine.kv.cache import PagedKVCache
 from engine.models.adapter import kv_shape

@@ -21,9 +21,8 @@
 
 enum { FMT_BF16 = 1, FMT_F16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_F32 = 5 };
 enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
-// WR weight rows at a time against chunks of at most MB activation rows: 4 x 6 accumulators, 4 weight
-// vectors and one activation vector in the 32 vector registers. The WR dequantized rows are reused by
-// every chunk from L1, so the weights stream from memory once whatever M.
+// Up to MB activation rows, WR weight rows at a time: 4 x 6 accumulators, 4 weight vectors and one
+// activation vector in the 32 vector registers.
 #ifndef QGEMM_PREFETCH
 #define QGEMM_PREFETCH 4096
 #endif
@@ -41,8 +40,8 @@ typedef struct {
     const void *scales, *biases;     // [N, gpr]
 } Weights;
 
-// A row's `n` group scales (or biases) as float32: the stored row itself when float32, else converted
-// into `buf` (n <= MAX_GROUPS), 16 at a time.
+// A row's `n` group scales (or biases) as float32 in `buf` (n <= MAX_GROUPS): copied, or converted 16 at a
+// time; returns `buf`. (A copy even of float32 ones lets the blocks index one array from one base.)
 static inline const float *group_params(const void *p, size_t at, int n, int sdtype, float *buf) {
     if (sdtype == SC_F32) {
         memcpy(buf, (const float *)p + at, sizeof(float) * (size_t)n);
@@ -128,8 +127,8 @@ static inline __attribute__((always_inline)) void block4(const int FMT, const in
             group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
             group_params(W->biases, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r + 1]);
         }
-    // Group 32 (GGUF's, the common 4-bit case): one 32-weight step per group, no inner loop.
-    const int g32 = FMT == FMT_Q4 && step == 32;
+    // Group 32 (GGUF's): spelled out as a constant bound, the compiler drops the inner loop.
+    const int g32 = quant && step == 32;
     for (int g = 0, k = 0; k < K; g++) {
         if (quant) {  // broadcasts straight from memory: no arithmetic port
             s0 = _mm512_set1_ps(buf[0][g]), s1 = _mm512_set1_ps(buf[2][g]);
@@ -167,7 +166,7 @@ static inline __attribute__((always_inline)) void block4(const int FMT, const in
             }
             continue;
         }
-        for (const int end = k + (quant && step == 32 ? 32 : step); k < end; k += 16) {
+        for (const int end = k + (g32 ? 32 : step); k < end; k += 16) {
             const size_t ahead = k * rb / K + PREFETCH_BYTES;
             _mm_prefetch((const char *)r0 + ahead, _MM_HINT_T0);
             _mm_prefetch((const char *)r1 + ahead, _MM_HINT_T0);
@@ -208,6 +207,7 @@ static inline __attribute__((always_inline)) void block2(const int FMT, const in
     ACC2_ALL(ACC2_ZERO)
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
     float buf[2 * WR2][quant ? MAX_GROUPS : 1];  // as in block4
+    const int g32 = quant && step == 32;
     if (quant)
         for (int r = 0; r < WR2; r++) {
             group_params(W->scales, (size_t)(j + r) * W->gpr, W->gpr, W->sdtype, buf[2 * r]);
@@ -219,7 +219,7 @@ static inline __attribute__((always_inline)) void block2(const int FMT, const in
             b0 = _mm512_set1_ps(buf[1][g]), b1 = _mm512_set1_ps(buf[3][g]);
             if (FMT == FMT_Q4) s0 = q4_table(s0, b0), s1 = q4_table(s1, b1);
         }
-        for (const int end = k + (quant && step == 32 ? 32 : step); k < end; k += 16) {
+        for (const int end = k + (g32 ? 32 : step); k < end; k += 16) {
             const size_t ahead = k * rb / K + PREFETCH_BYTES;
             _mm_prefetch((const char *)r0 + ahead, _MM_HINT_T0);
             _mm_prefetch((const char *)r1 + ahead, _MM_HINT_T0);
@@ -260,20 +260,13 @@ static inline __attribute__((always_inline)) void block1(const int FMT, const in
 
 typedef void (*block_fn)(const Weights *, const float *, int, float *, int, int);
 
-#define DEF_BLOCK(FMT, M)                                                                               \
-    static void b4_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
-        block4(FMT, M, W, A, lda, C, ldc, j);                                                           \
-    }                                                                                                   \
-    static void b1_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
-        block1(FMT, M, W, A, lda, C, ldc, j);                                                           \
+#define DEF_B(P, BLOCK, FMT, M)                                                                         \
+    static void P##_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
+        BLOCK(FMT, M, W, A, lda, C, ldc, j);                                                            \
     }
-#define DEF_BLOCK2(FMT, M)                                                                              \
-    static void b2_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
-        block2(FMT, M, W, A, lda, C, ldc, j);                                                           \
-    }                                                                                                   \
-    static void b1_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {  \
-        block1(FMT, M, W, A, lda, C, ldc, j);                                                           \
-    }
+// 1 and WR weight rows up to MB activation rows, 1 and WR2 past it.
+#define DEF_BLOCK(FMT, M) DEF_B(b1, block1, FMT, M) DEF_B(b4, block4, FMT, M)
+#define DEF_BLOCK2(FMT, M) DEF_B(b1, block1, FMT, M) DEF_B(b2, block2, FMT, M)
 #define DEF_FMT(FMT) DEF_BLOCK(FMT, 1) DEF_BLOCK(FMT, 2) DEF_BLOCK(FMT, 3) DEF_BLOCK(FMT, 4)            \
     DEF_BLOCK(FMT, 5) DEF_BLOCK(FMT, 6) DEF_BLOCK2(FMT, 7) DEF_BLOCK2(FMT, 8) DEF_BLOCK2(FMT, 9)        \
     DEF_BLOCK2(FMT, 10) DEF_BLOCK2(FMT, 11) DEF_BLOCK2(FMT, 12)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cpu.build import build_library, compile_flags, cpu_kernel_reason
+from engine.cpu.host import host_view, pointer
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
@@ -39,17 +40,6 @@ def _lib() -> ctypes.CDLL:
     lib.qgemm_rows.restype = i
     lib.qgemm_rows.argtypes = [i, i, i, i, p, p, p, i, p, i, p]
     return lib
-
-
-def host_view(a: mx.array) -> np.ndarray:
-    """A zero-copy host view of an array, evaluated first; row-contiguous (16-bit floats as uint16)."""
-    if a.dtype in (mx.bfloat16, mx.float16):
-        a = a.view(mx.uint16)
-    mx.eval(a)
-    v = np.asarray(memoryview(a))
-    if not v.flags.c_contiguous:
-        raise ValueError("the C kernels need row-contiguous arrays")
-    return v
 
 
 @dataclass(slots=True)
@@ -89,19 +79,19 @@ class PackedWeights:
         step = 32 if self.fmt == "q4" else 16
         return self.group % step == 0 and self.k % self.group == 0 and self.k // self.group <= MAX_GROUPS
 
-
-def _ptr(a: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
+    def pointers(self) -> tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]:
+        """Weights, scales, biases as the kernel takes them (float formats: the weights thrice, unread)."""
+        w = self.views[0]
+        return pointer(w), pointer(self.views[1] if len(self.views) > 1 else w), \
+            pointer(self.views[2] if len(self.views) > 2 else w)
 
 
 def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0) -> np.ndarray:
     """x: [M, K] float32 (row-contiguous) -> [M, N] float32."""
     m = x.shape[0]
     out = np.empty((m, pw.n), dtype=np.float32)
-    s = pw.views[1] if len(pw.views) > 1 else pw.views[0]
-    b = pw.views[2] if len(pw.views) > 2 else pw.views[0]
-    rc = _lib().qgemm(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, _ptr(x), x.shape[1],
-                      _ptr(pw.views[0]), _ptr(s), _ptr(b), pw.scale_dtype, _ptr(out), pw.n, max_threads)
+    rc = _lib().qgemm(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, pointer(x), x.shape[1], *pw.pointers(),
+                      pw.scale_dtype, pointer(out), pw.n, max_threads)
     if rc != 0:
         raise ValueError(f"qgemm refused {pw.fmt} [{pw.n}, {pw.k}] group {pw.group}")
     return out
@@ -111,10 +101,8 @@ def rows_host(ids: np.ndarray, pw: PackedWeights) -> np.ndarray:
     """Rows `ids` of the weight matrix as float32 [len(ids), K] (an embedding lookup)."""
     ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
     out = np.empty((ids.size, pw.k), dtype=np.float32)
-    s = pw.views[1] if len(pw.views) > 1 else pw.views[0]
-    b = pw.views[2] if len(pw.views) > 2 else pw.views[0]
-    rc = _lib().qgemm_rows(FORMATS[pw.fmt], pw.n, pw.k, pw.group, _ptr(pw.views[0]), _ptr(s), _ptr(b),
-                           pw.scale_dtype, _ptr(ids), ids.size, _ptr(out))
+    rc = _lib().qgemm_rows(FORMATS[pw.fmt], pw.n, pw.k, pw.group, *pw.pointers(), pw.scale_dtype,
+                           pointer(ids), ids.size, pointer(out))
     if rc != 0:
         raise ValueError(f"token ids out of range for a [{pw.n}, {pw.k}] table")
     return out

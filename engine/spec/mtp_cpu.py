@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.host import host_view, pointer
 from engine.kv.cache import PagedKVCache
 from engine.models.mtp_assistant import LoadedAssistant
 from engine.models.mtp_trained import TrainedAssistant
@@ -96,8 +97,8 @@ class CpuAssistant:
     def _cache(self, keys: mx.array, values: mx.array) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy views of the evaluated cache, checked against the assistant's sizes (the C loop
         reads [kv_heads, slots, head_dim] without bounds checks)."""
-        k = np.asarray(memoryview(keys))
-        v = np.asarray(memoryview(values))
+        k = host_view(keys)
+        v = host_view(values)
         if k.shape != v.shape or k.shape[0] != self.spec.kv_heads or k.shape[2] != self.spec.head_dim:
             raise ValueError(f"mtp_draft: KV cache {k.shape} does not match the assistant's "
                              f"{self.spec.kv_heads} KV heads x {self.spec.head_dim}")
@@ -120,10 +121,10 @@ class CpuAssistant:
         out = np.empty((n, max_k), dtype=np.int32)
         lengths = np.empty(n, dtype=np.int32)
         rc = self.lib.mtp_draft(
-            ctypes.byref(self.spec), ctypes.c_int(n), _ptr(toks), _ptr(hid), _ptr(self.embed),
-            self.embed_scale, _ptr(self.head_ids), _ptr(pos), _ptr(tab), ctypes.c_int(tab.shape[1]),
-            ctypes.c_int(block_size), _ptr(k), _ptr(v), ctypes.c_long(k.shape[1]), _ptr(cut),
-            ctypes.c_int(len(cut)), _ptr(wanted), ctypes.c_int(max_k), _ptr(out), _ptr(lengths))
+            ctypes.byref(self.spec), ctypes.c_int(n), pointer(toks), pointer(hid), pointer(self.embed),
+            self.embed_scale, pointer(self.head_ids), pointer(pos), pointer(tab), ctypes.c_int(tab.shape[1]),
+            ctypes.c_int(block_size), pointer(k), pointer(v), ctypes.c_long(k.shape[1]), pointer(cut),
+            ctypes.c_int(len(cut)), pointer(wanted), ctypes.c_int(max_k), pointer(out), pointer(lengths))
         if rc != 0:
             raise MemoryError("mtp_draft could not allocate its scratch memory")
         return [row[:n_r] for row, n_r in zip(out.tolist(), lengths.tolist(), strict=True)]
@@ -141,16 +142,13 @@ class CpuAssistant:
             raise ValueError(f"mtp_step: hidden must be a contiguous float32 [{n}, {self.backbone}] array")
         logits = np.empty((n, self.spec.head_size), dtype=np.float32)
         rc = self.lib.mtp_step(
-            ctypes.byref(self.spec), ctypes.c_int(n), _ptr(toks), _ptr(hidden), _ptr(self.embed),
-            self.embed_scale, _ptr(pos), _ptr(tab), ctypes.c_int(tab.shape[1]), ctypes.c_int(block_size),
-            _ptr(k), _ptr(v), ctypes.c_long(k.shape[1]), _ptr(logits), _ptr(hidden))
+            ctypes.byref(self.spec), ctypes.c_int(n), pointer(toks), pointer(hidden), pointer(self.embed),
+            self.embed_scale, pointer(pos), pointer(tab), ctypes.c_int(tab.shape[1]),
+            ctypes.c_int(block_size), pointer(k), pointer(v), ctypes.c_long(k.shape[1]), pointer(logits),
+            pointer(hidden))
         if rc != 0:
             raise MemoryError("mtp_step could not allocate its scratch memory")
         return logits
-
-
-def _ptr(a: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
 
 
 def embedding_table(embed: nn.Module) -> np.ndarray | None:
@@ -158,8 +156,8 @@ def embedding_table(embed: nn.Module) -> np.ndarray | None:
     from engine.models.weights import CpuEmbedding
 
     if isinstance(embed, CpuEmbedding):  # kept in its own precision: read through a float32 copy
-        return np.asarray(memoryview(embed.float32_table()))
+        return host_view(embed.float32_table())
     w = getattr(embed, "weight", None)
     if type(embed) is not nn.Embedding or w is None or w.dtype != mx.float32:
         return None
-    return np.asarray(memoryview(w))
+    return host_view(w)
