@@ -124,7 +124,8 @@ class SpecDecoding:
         if not reqs:
             stats.spec_chosen_k = []
             return
-        if self.adaptive is not None and self.adaptive.drafting_hopeless(_decoding_requests(running)):
+        rows = _decoding_requests(running)
+        if self.adaptive is not None and self.adaptive.drafting_hopeless(rows):
             stats.spec_chosen_k = [0] * len(reqs)  # what choose() would say, without the lookups
             return
         t0 = time.monotonic()
@@ -139,7 +140,6 @@ class SpecDecoding:
             has = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
             cands = [Candidate(reqs[i].request_id, reqs[i].num_drafts, self.proposer.catch_up_tokens(reqs[i]),
                                temperature_bucket(targets[i].params.temperature)) for i in has]
-            rows = _decoding_requests(running)
             ks = [0] * len(reqs)
             for i, k in zip(has, self.adaptive.choose(cands, rows, rows, num_rows=rows), strict=True):
                 ks[i] = k
