@@ -19,6 +19,7 @@ from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache, head_major_default
 from engine.models import adapter
+from engine.models.adapter import describe_layout
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -52,8 +53,8 @@ class EngineCore:
         model = self.loaded.model
         self.max_model_len = self._resolve_max_model_len()
         bs = config.block_size
-        n_kv, head_dim = adapter.kv_shape(model)
-        per_block = PagedKVCache.bytes_per_block(len(model.layers), bs, n_kv, head_dim, self.loaded.dtype)
+        layout = adapter.kv_layout(model)
+        per_block = PagedKVCache.bytes_per_block(layout.shapes, bs, self.loaded.dtype)
         self.spec = config.speculative_config
         draft = load_draft(self.spec, self.loaded, config.dtype, config.show_progress) if self.spec else None
         self.spec_max_len = self.max_model_len
@@ -68,11 +69,10 @@ class EngineCore:
                 f"kv_cache_memory={config.kv_cache_memory!r} gives {num_blocks} blocks of {bs} tokens "
                 f"({per_block} bytes each) but one request of max_model_len={self.max_model_len} needs "
                 f"{need}: raise --kv-cache-memory or lower --max-model-len")
-        self.kv_cache = PagedKVCache(len(model.layers), num_blocks, bs, n_kv, head_dim, self.loaded.dtype,
+        self.kv_cache = PagedKVCache(layout.shapes, num_blocks, bs, self.loaded.dtype,
                                      head_major=head_major_default(config.kv_layout))
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d layers, %d kv heads, "
-                    "head_dim %d)", num_blocks, bs, num_blocks * bs, self.kv_cache.nbytes / 2**20,
-                    self.loaded.dtype, len(model.layers), n_kv, head_dim)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s; %s)", num_blocks, bs,
+                    num_blocks * bs, self.kv_cache.nbytes / 2**20, self.loaded.dtype, describe_layout(layout))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
@@ -89,7 +89,7 @@ class EngineCore:
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size
-        stack, why = build_stack(model, self.kv_cache, adapter.layer_windows(model),
+        stack, why = build_stack(model, self.kv_cache, layout.windows,
                                  attention_fn is cpu_paged_attention, self.loaded.config)
         self.runner.stack = stack
         logger.info("weights: %s; layers: %s", self.loaded.precision,

@@ -39,8 +39,7 @@ class ModelRunner:
         # The decoder layers in one C call (engine/cpu/layers.py), set by the engine where it applies.
         self.stack: CpuLayerStack | None = None
         adapter.install(model)
-        windows = adapter.layer_windows(model)
-        self.caches = [adapter.PagedLayerCache(kv, i, w) for i, w in enumerate(windows)]
+        self.caches = adapter.make_caches(model, kv)
         for c in self.caches:
             c.attention_fn = attention_fn
 

@@ -24,7 +24,7 @@ from engine.attention.types import AttentionGroup, AttentionMetadata, KernelSet
 
 SHADERS = Path(__file__).with_name("shaders")
 LANES = 32  # one SIMD group per (row, head, partition)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256, 512)  # 512: Gemma4's full-attention layers (256 on its sliding ones)
 BLOCK_SIZES = (8, 16, 32)
 # Contexts longer than this are split into partitions of SPLIT_PARTITION keys plus a reduce launch,
 # so a long sequence is spread over more SIMD groups than heads x rows.

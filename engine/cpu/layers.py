@@ -26,7 +26,6 @@ from engine.cpu.host import host_view
 from engine.cpu.qgemm import FORMATS, PackedWeights
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 from engine.kv.cache import PagedKVCache
-from engine.models.adapter import kv_shape
 
 SOURCE = Path(__file__).with_name("layers.c")
 CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
@@ -110,7 +109,10 @@ class CpuLayerStack:
         rope = attn0.rope
         if type(rope) is not nn.RoPE:
             raise _Unsupported(f"RoPE variant {type(rope).__name__}")
-        n_kv, head_dim = kv_shape(model)
+        shape = kv.uniform_shape()
+        if shape is None:
+            raise _Unsupported("layers with different KV shapes or shared KV")
+        n_kv, head_dim = shape
         n_heads = int(getattr(attn0, "n_heads", 0) or model.args.num_attention_heads)
         if rope.dims != head_dim:
             raise _Unsupported(f"partial rotary embedding ({rope.dims} of {head_dim} dims)")

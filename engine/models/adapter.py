@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,16 +23,21 @@ import mlx.nn as nn
 
 from engine.attention.reference import LOG2E, paged_attention_reference
 from engine.attention.types import AttentionMetadata
-from engine.kv.cache import PagedKVCache
+from engine.kv.cache import KVShape, PagedKVCache
 
 _PATCHED_ATTR = "_specserve_paged"
 
 
 class PagedLayerCache:
-    def __init__(self, kv: PagedKVCache, layer: int, window: int | None) -> None:
+    """One model layer's view of the paged KV: `layer` is the KV layer it reads, which is its own unless
+    the model reuses another layer's KV (then `writes` is False and the rows mlx-lm passes in are the
+    source layer's, already written)."""
+
+    def __init__(self, kv: PagedKVCache, layer: int, window: int | None, writes: bool = True) -> None:
         self.kv = kv
         self.layer = layer
         self.window = window
+        self.writes = writes
         self.meta: AttentionMetadata | None = None
         self.attention_fn: Callable[..., mx.array] = paged_attention_reference
 
@@ -45,6 +51,8 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys/values: [T, Hkv, 1, D], or [1, Hkv, T, D] for a single request
         assert self.meta is not None
+        if not self.writes:
+            return keys, values
         if self.meta.single_request:
             k, v = keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)
         else:
@@ -108,36 +116,94 @@ def install(model: nn.Module) -> None:
         mod.swiglu = swiglu_pow2
 
 
-def layer_windows(model: nn.Module) -> list[int | None]:
-    """Sliding-window size per layer, read from the caches mlx-lm would build for the model."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+@dataclass(frozen=True)
+class KVLayout:
+    """Where each decoder layer's KV lives. Per model layer: `shapes` the (KV heads, head size) it stores
+    (None: it stores none), `sources` the layer whose KV its attention reads (itself unless it shares),
+    `windows` its sliding window (None: full attention)."""
 
-    n = len(model.layers)
-    if not hasattr(model, "make_cache"):
-        return [None] * n
-    out: list[int | None] = []
-    for i, c in enumerate(model.make_cache()):
-        if isinstance(c, RotatingKVCache):
-            out.append(c.max_size)
-        elif isinstance(c, KVCache):
-            out.append(None)
-        else:
-            raise ValueError(f"layer {i} uses {type(c).__name__}: not an attention KV cache; "
-                             "this architecture is not supported")
-    return out
+    shapes: list[KVShape | None]
+    sources: list[int]
+    windows: list[int | None]
+
+    def uniform_shape(self) -> KVShape | None:
+        first = self.shapes[0] if self.shapes else None
+        return first if all(s == first for s in self.shapes) else None
 
 
-def kv_shape(model: nn.Module) -> tuple[int, int]:
-    """(num_kv_heads, head_dim), uniform across layers."""
-    attn = model.layers[0].self_attn
-    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+def _layer_kv_shape(model: nn.Module, attn: nn.Module) -> KVShape:
     args = model.args
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
     head_dim = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None)
     if head_dim is None:
         head_dim = args.hidden_size // args.num_attention_heads
     if n_kv is None:
         n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     return int(n_kv), int(head_dim)
+
+
+def kv_layout(model: nn.Module) -> KVLayout:
+    """Per-layer KV shapes, sharing and sliding windows, read from the model as mlx-lm builds it: the
+    attention modules' sizes, Gemma4's `previous_kvs` (which earlier layer a KV-shared layer reads) and the
+    caches mlx-lm's `make_cache` would give the layers that store KV."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    layers = list(model.layers)
+    n = len(layers)
+    inner = getattr(model, "model", None)
+    sources = [int(i) for i in getattr(inner, "previous_kvs", range(n))]
+    stores = [i for i in range(n) if sources[i] == i]
+    if any(sources[sources[i]] != sources[i] for i in range(n)):
+        raise ValueError("a KV-shared layer reads a layer that itself shares: not supported")
+    made = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in range(n)]
+    if len(made) < len(stores):
+        raise ValueError(f"the model builds {len(made)} caches for {len(stores)} KV-storing layers")
+    own: dict[int, int | None] = {}
+    for i, c in zip(stores, made, strict=False):
+        if isinstance(c, RotatingKVCache):
+            own[i] = c.max_size
+        elif isinstance(c, KVCache):
+            own[i] = None
+        else:
+            raise ValueError(f"layer {i} uses {type(c).__name__}: not an attention KV cache; "
+                             "this architecture is not supported")
+    shapes: list[KVShape | None] = [
+        _layer_kv_shape(model, layers[i].self_attn) if sources[i] == i else None for i in range(n)]
+    return KVLayout(shapes=shapes, sources=sources, windows=[own[sources[i]] for i in range(n)])
+
+
+def describe_layout(layout: KVLayout) -> str:
+    """For the start-up log: '30 layers, 3 KV heads x 64' or the count of each shape and of shared layers."""
+    counts: dict[KVShape, int] = {}
+    for sh in layout.shapes:
+        if sh is not None:
+            counts[sh] = counts.get(sh, 0) + 1
+    parts = [f"{c} layers, {n} KV heads x {d}" for (n, d), c in counts.items()]
+    shared = sum(s is None for s in layout.shapes)
+    if shared:
+        parts.append(f"{shared} layers reading another layer's KV")
+    return "; ".join(parts)
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Sliding-window size per layer."""
+    return kv_layout(model).windows
+
+
+def kv_shape(model: nn.Module) -> KVShape:
+    """(num_kv_heads, head_dim), for code that needs one shape across layers (the C layer stack, trained
+    assistants): raises ValueError for a model whose layers differ or share KV."""
+    shape = kv_layout(model).uniform_shape()
+    if shape is None:
+        raise ValueError("the model's layers have different KV shapes or share KV")
+    return shape
+
+
+def make_caches(model: nn.Module, kv: PagedKVCache) -> list[PagedLayerCache]:
+    """One view per decoder layer over `kv` (built from `kv_layout(model).shapes`)."""
+    layout = kv_layout(model)
+    return [PagedLayerCache(kv, src, w, writes=src == i)
+            for i, (src, w) in enumerate(zip(layout.sources, layout.windows, strict=True))]
 
 
 def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache]) -> mx.array:

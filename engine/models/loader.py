@@ -47,9 +47,10 @@ class LoadedModel:
 
     @property
     def max_position_embeddings(self) -> int | None:
-        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-            if self.config.get(key):
-                return int(self.config[key])
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+                if cfg.get(key):
+                    return int(cfg[key])
         return None
 
 
@@ -260,6 +261,9 @@ def load_model(
         folder = path
         name = DEFAULT_MODEL_NAME if source == "default" else (model if source == "hub" else path.name)
     dt = resolve_dtype(dtype, _checkpoint_dtype(config))
+    # A multimodal wrapper (gemma4, gemma3) serves its text model: the engine runs text only and reads
+    # `model.model`, `model.args` and the head the way it does for every text class.
+    net = getattr(net, "language_model", net)
     _load_with_progress(net, WeightPlan(dtype, quantization), dt, progress)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, name=str(name), path=str(path),
                        source=source, dtype=dt, eos_token_ids=_eos_ids(config, tokenizer, folder),

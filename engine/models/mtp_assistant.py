@@ -44,8 +44,8 @@ def _fail(msg: str) -> MTPAssistantError:
 class ReadOnlyPagedCache(adapter.PagedLayerCache):
     """A target layer's paged KV seen by an assistant layer: attention reads it, nothing is written."""
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return keys, values
+    def __init__(self, kv: PagedKVCache, layer: int, window: int | None) -> None:
+        super().__init__(kv, layer, window, writes=False)
 
     def attention(self, queries: mx.array, scale: float) -> mx.array:
         # queries: [N, H, 1, D] (one query row per request) -> [N, H, 1, D]
@@ -229,13 +229,14 @@ def load_assistant(path: str, target: LoadedModel, revision: str | None = None,
     sources = kv_source_layers(list(targs.layer_types), int(getattr(targs, "num_kv_shared_layers", 0) or 0),
                                list(args.layer_types))
     net = Gemma4Assistant(config, args)
-    n_kv, head_dim = adapter.kv_shape(target.model)
-    for i, layer in enumerate(net.text.layers):
+    shapes = adapter.kv_layout(target.model).shapes
+    for i, (layer, src) in enumerate(zip(net.text.layers, sources, strict=True)):
         attn = layer.self_attn
+        n_kv, head_dim = shapes[src]  # type: ignore[misc]  # a source stores KV (kv_source_layers)
         if attn.head_dim != head_dim or attn.n_kv_heads != n_kv or attn.n_heads % n_kv:
-            raise _fail(f"architecture mismatch: assistant layer {i} has head_dim {attn.head_dim}, "
-                        f"{attn.n_heads} heads and {attn.n_kv_heads} KV heads; the target KV it reads has "
-                        f"head_dim {head_dim} and {n_kv} KV heads")
+            raise _fail(f"architecture mismatch: assistant layer {i} ({args.layer_types[i]}) has head_dim "
+                        f"{attn.head_dim}, {attn.n_heads} heads and {attn.n_kv_heads} KV heads; the target "
+                        f"layer {src} KV it reads has head_dim {head_dim} and {n_kv} KV heads")
     raw = _read_weights(folder)
     weights: dict[str, mx.array] = {}
     for k, v in raw.items():
@@ -275,7 +276,10 @@ def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssi
         check_config(config)
     except ValueError as e:
         raise _fail(f"{folder / 'config.json'}: {e}") from e
-    n_kv, head_dim = adapter.kv_shape(target.model)
+    try:
+        n_kv, head_dim = adapter.kv_shape(target.model)
+    except ValueError as e:
+        raise _fail(f"trained assistants need a target with one KV shape across layers: {e}") from e
     for what, key, want in (("vocabulary size", "vocab_size", target.vocab_size),
                             ("hidden size", "backbone_hidden_size", targs.hidden_size),
                             ("KV heads", "num_key_value_heads", n_kv), ("head size", "head_dim", head_dim)):

@@ -70,14 +70,14 @@ class DraftModelProposer:
         self.probabilistic = probabilistic
         self.vocab_size = draft.vocab_size
         self._probs: dict[str, np.ndarray] = {}
-        n_kv, head_dim = adapter.kv_shape(model)
-        self.kv_cache = PagedKVCache(len(model.layers), num_blocks, block_size, n_kv, head_dim, draft.dtype)
+        layout = adapter.kv_layout(model)
+        self.kv_cache = PagedKVCache(layout.shapes, num_blocks, block_size, draft.dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         if attention_fn is cpu_paged_attention and cpu_attention_fits(self.kv_cache) is not None:
             attention_fn = paged_attention_reference
         self.runner = ModelRunner(model, self.kv_cache, attention_fn)
         # The draft's decoder layers in C where they apply, as the target's (engine/cpu/layers.py).
-        self.runner.stack, _ = build_stack(model, self.kv_cache, adapter.layer_windows(model),
+        self.runner.stack, _ = build_stack(model, self.kv_cache, layout.windows,
                                            attention_fn is cpu_paged_attention, draft.config)
         self._state: dict[str, _State] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first
@@ -85,8 +85,7 @@ class DraftModelProposer:
 
     @staticmethod
     def bytes_per_block(draft: LoadedModel, block_size: int) -> int:
-        n_kv, head_dim = adapter.kv_shape(draft.model)
-        return PagedKVCache.bytes_per_block(len(draft.model.layers), block_size, n_kv, head_dim, draft.dtype)
+        return PagedKVCache.bytes_per_block(adapter.kv_layout(draft.model).shapes, block_size, draft.dtype)
 
     def _num_valid(self, rid: str, token_ids: list[int]) -> int:
         """Leading draft positions whose KV still matches the confirmed tokens."""

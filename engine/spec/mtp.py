@@ -55,7 +55,7 @@ class MTPProposer:
         if runner.mtp_hidden is None:
             runner.mtp_hidden = {}
         self.hidden = runner.mtp_hidden
-        inner = getattr(target.model, "language_model", target.model).model
+        inner = target.model.model
         self.embed_tokens = inner.embed_tokens
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
         # The C pass where it applies (engine/spec/mtp_cpu.py); the MLX module otherwise.

@@ -103,8 +103,7 @@ def test_chunked_prefill_small_budget() -> None:
 
 def test_preemption_with_tiny_block_budget() -> None:
     loaded = default_model()
-    n_kv, head_dim = adapter.kv_shape(loaded.model)
-    per_block = PagedKVCache.bytes_per_block(len(loaded.model.layers), 16, n_kv, head_dim, loaded.dtype)
+    per_block = PagedKVCache.bytes_per_block(adapter.kv_layout(loaded.model).shapes, 16, loaded.dtype)
     llm = make_llm(max_model_len=256, kv_cache_memory=str(16 * per_block))
     assert llm.core.kv.pool.num_blocks == 16
     outs = llm.generate(prompts(), GREEDY)

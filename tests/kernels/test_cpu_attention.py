@@ -109,7 +109,7 @@ def test_selection_and_refusals(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
 
 @needs_kernel
 def test_refuses_what_it_cannot_compute() -> None:
-    cache = PagedKVCache(1, 4, 16, 2, 24, mx.float32, head_major=True)  # head_dim 24: not a multiple of 16
+    cache = PagedKVCache([(2, 24)], 4, 16, mx.float32, head_major=True)  # head_dim 24: not a multiple of 16
     meta = build_metadata([(0, 1, [0])], 16)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_paged_attention(mx.zeros((1, 4, 24)), cache.k[0], cache.v[0], meta, 0.2)

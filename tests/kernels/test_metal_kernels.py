@@ -162,7 +162,7 @@ def test_plan_decode_splits_long_contexts_only() -> None:
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_emulated_reshape_and_cache_matches_engine_write(bs: int) -> None:
-    cache = PagedKVCache(1, 6, bs, 2, 64, mx.float32, head_major=False)  # the kernels' layout
+    cache = PagedKVCache([(2, 64)], 6, bs, mx.float32, head_major=False)  # the kernels' layout
     cache.k[0] = mx.random.normal(cache.k[0].shape)
     cache.v[0] = mx.random.normal(cache.v[0].shape)
     k_old, v_old = np.array(cache.k[0]), np.array(cache.v[0])
@@ -175,6 +175,35 @@ def test_emulated_reshape_and_cache_matches_engine_write(bs: int) -> None:
     cache.write(0, slots, k_new, v_new)
     np.testing.assert_array_equal(k_emu, np.array(cache.k[0]))
     np.testing.assert_array_equal(v_emu, np.array(cache.v[0]))
+
+
+def _by_length(q, kb, vb, g, scale, window):  # noqa: ANN001, ANN202
+    # What group_attention_metal does: decode kernel up to 16 query tokens, prefill kernel above.
+    fn = _emulated_prefill_group() if g.max_len > 16 else _emulated_group()
+    return fn(q, kb, vb, g, scale, window)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_emulated_kernels_read_per_layer_head_sizes(window: int | None) -> None:
+    """Gemma4's layout on the engine's block-major cache: one block table, sliding layers of 256 and
+    full layers of 512 with fewer KV heads. Each layer's call compiles the shaders for its own HEAD_DIM
+    (a template constant); the emulated launches agree with the reference per layer, decode and prefill."""
+    shapes = [(2, 256), (1, 512)]
+    lens = [(9, 1), (30, 3), (5, 18)]  # decode, verification, a prefill chunk (> 16 tokens)
+    q0, kb0, _, meta, _ = _scenario(11, 8, 64, lens)
+    num_blocks = kb0.shape[0]
+    cache = PagedKVCache(shapes, num_blocks, 8, mx.float32, head_major=False)
+    for layer, (hkv, d) in enumerate(shapes):
+        key = mx.random.key(layer)
+        cache.k[layer] = mx.random.normal(cache.k[layer].shape, key=key)
+        cache.v[layer] = mx.random.normal(cache.v[layer].shape, key=mx.random.split(key)[0])
+        kb, vb = cache.blocks(layer)
+        assert kb.shape == (num_blocks, 8, hkv, d)
+        q = mx.random.normal((q0.shape[0], 4, d), key=mx.random.split(key)[1])
+        ref = paged_attention_reference(q, kb, vb, meta, d ** -0.5, window)
+        emu = assemble_groups(q, kb, vb, meta, d ** -0.5, window, _by_length)
+        np.testing.assert_allclose(np.array(emu), np.array(ref), rtol=2e-5, atol=2e-5)
+    assert 512 in HEAD_DIMS  # the Metal path takes both sizes (not the gather fallback)
 
 
 def test_backend_selection_here() -> None:
@@ -278,7 +307,7 @@ def test_head_major_cache_gives_the_block_major_output(window: int | None) -> No
         got = paged_attention_reference(qm, kh, vh, m, 0.125, window)
         assert got.shape == want.shape
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
-    caches = [PagedKVCache(1, 4, 16, 2, 64, mx.float32, head_major=h) for h in (False, True)]
+    caches = [PagedKVCache([(2, 64)], 4, 16, mx.float32, head_major=h) for h in (False, True)]
     slots = mx.array([0, 15, 16, 63], dtype=mx.int32)
     k_new, v_new = mx.random.normal((4, 2, 64)), mx.random.normal((4, 2, 64))
     for c in caches:
@@ -526,7 +555,7 @@ def test_metal_prefill_softcap_matches_dense() -> None:
 def test_metal_reshape_and_cache_matches_engine_write() -> None:
     from metal_kernels.ops import reshape_and_cache
 
-    cache = PagedKVCache(1, 4, 16, 2, 64, mx.float16, head_major=False)
+    cache = PagedKVCache([(2, 64)], 4, 16, mx.float16, head_major=False)
     slots = mx.array([0, 15, 16, 63], dtype=mx.int32)
     k_new, v_new = mx.random.normal((4, 2, 64)), mx.random.normal((4, 2, 64))
     k_out, v_out = reshape_and_cache(k_new, v_new, cache.k[0], cache.v[0], slots)

@@ -49,8 +49,11 @@ def _scale(model: Any) -> None:
                 p.mul_(4.0)
 
 
-def make_pair(root: Path, seed: int = 0, ordered: bool = False,
+def make_pair(root: Path, seed: int = 0, ordered: bool = False, target_kind: str | None = None,
               **assistant_overrides: Any) -> tuple[Path, Path, Any, Any]:
+    """A target and its assistant. `target_kind`: None for a target with one head size and no shared KV,
+    or a published structure of tests/engine/test_gemma4.py (mixed head sizes, KV-shared layers,
+    per-layer inputs, K = V) with an assistant shaped to read it."""
     from transformers import (
         Gemma4AssistantConfig,
         Gemma4AssistantForCausalLM,
@@ -58,19 +61,31 @@ def make_pair(root: Path, seed: int = 0, ordered: bool = False,
         Gemma4TextConfig,
     )
 
-    torch.manual_seed(seed)
-    tcfg = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            layer_types=list(TYPES), num_kv_shared_layers=0, **COMMON)
-    target = Gemma4ForCausalLM(tcfg).eval()
-    _scale(target)
     tdir = root / "target"
-    target.save_pretrained(tdir)
-    _patch_config(tdir, {"global_head_dim": 16}, text=False)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_folder(progress=False) / name, tdir / name)
-
     text = dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=TYPES[-2:],
                 num_kv_shared_layers=2)
+    if target_kind is None:
+        torch.manual_seed(seed)
+        tcfg = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                layer_types=list(TYPES), num_kv_shared_layers=0, **COMMON)
+        target = Gemma4ForCausalLM(tcfg).eval()
+        _scale(target)
+        target.save_pretrained(tdir)
+        _patch_config(tdir, {"global_head_dim": 16}, text=False)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(default_model_folder(progress=False) / name, tdir / name)
+        global_head_dim = 16
+    else:
+        from tests.engine.test_gemma4 import GLOBAL_HEAD_DIM, KINDS, make_gemma4
+
+        target = make_gemma4(tdir, target_kind, seed)
+        kind = KINDS[target_kind]
+        global_head_dim = GLOBAL_HEAD_DIM
+        text.update(layer_types=kind["layer_types"][-2:], global_head_dim=global_head_dim,
+                    num_key_value_heads=kind["num_key_value_heads"])
+        for key in ("attention_k_eq_v", "num_global_key_value_heads"):
+            if key in kind:
+                text[key] = kind[key]
     text.update(assistant_overrides.pop("text", {}))
     acfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text), backbone_hidden_size=64,
                                  use_ordered_embeddings=ordered, num_centroids=64,
@@ -94,7 +109,10 @@ def make_pair(root: Path, seed: int = 0, ordered: bool = False,
         assistant.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
     adir = root / "assistant"
     assistant.save_pretrained(adir)
-    _patch_config(adir, {"global_head_dim": 16}, text=True)
+    extra = {"global_head_dim": global_head_dim}
+    if "num_global_key_value_heads" in text:
+        extra["num_global_key_value_heads"] = text["num_global_key_value_heads"]
+    _patch_config(adir, extra, text=True)
     return tdir, adir, target, assistant
 
 
@@ -108,7 +126,8 @@ def reference_drafts(target: Any, assistant: Any, ids: list[int], k: int) -> lis
         cache = DynamicCache()  # no config: every layer keeps its full-length KV
         out = target.model(input_ids=torch.tensor([ids[:p]]), past_key_values=cache, use_cache=True)
         hidden = out.last_hidden_state[:, -1:]
-        last = {t: i for i, t in enumerate(TYPES)}
+        types = list(target.config.layer_types)
+        last = {t: i for i, t in enumerate(types[:len(types) - target.config.num_kv_shared_layers])}
         shared = {t: (cache.layers[i].keys, cache.layers[i].values) for t, i in last.items()}
         tok = torch.tensor([[ids[-1]]])
         logits_out = []
@@ -122,15 +141,18 @@ def reference_drafts(target: Any, assistant: Any, ids: list[int], k: int) -> lis
     return logits_out
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["tied-head", "centroid-head"])
-def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
-    tdir, adir, hf_target, hf_assistant = make_pair(tmp_path, ordered=ordered)
+@pytest.mark.parametrize("ordered, target_kind", [(False, None), (True, None), (False, "e2b"), (True, "31b")],
+                         ids=["tied-head", "centroid-head", "e2b-target", "31b-target-centroid-head"])
+def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool, target_kind: str | None) -> None:
+    tdir, adir, hf_target, hf_assistant = make_pair(tmp_path, ordered=ordered, target_kind=target_kind)
     loaded = load_model(str(tdir), dtype="float32", progress=False)
-    n_kv, hd = adapter.kv_shape(loaded.model)
-    kv = PagedKVCache(len(loaded.model.layers), 16, 8, n_kv, hd, mx.float32)
+    kv = PagedKVCache(adapter.kv_layout(loaded.model).shapes, 16, 8, mx.float32)
     runner = ModelRunner(loaded.model, kv)
     assistant = load_assistant(str(adir), loaded)
-    assert assistant.target_layers == [2, 3]  # the last sliding and the last full target layer
+    # The last sliding and the last full target layer that store KV.
+    layout = adapter.kv_layout(loaded.model)
+    assert assistant.target_layers == {None: [2, 3], "e2b": [5, 4], "31b": [4, 5]}[target_kind]
+    assert all(layout.sources[i] == i for i in assistant.target_layers)
     prop = MTPProposer(assistant, loaded, runner)
     tok = loaded.tokenizer
     prompts = [tok.encode(CHATS[0])[:21], tok.encode(CHATS[1])[:6]]  # past the window of 8, and inside it
@@ -176,9 +198,9 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool) -> None:
             assert gated[j] == drafts[j][:n], (first, later, j)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int) -> None:
-    tdir, adir, _, _ = make_pair(tmp_path, seed=1)
+@pytest.mark.parametrize("k, target_kind", [(1, None), (3, None), (1, "e2b"), (3, "e4b"), (3, "31b")])
+def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int, target_kind: str | None) -> None:
+    tdir, adir, _, _ = make_pair(tmp_path, seed=1, target_kind=target_kind)
     loaded = load_model(str(tdir), dtype="float32", progress=False)
     kw = dict(kv_cache_memory="64MiB", max_model_len=512, block_size=8, show_progress=False)
     plain = LLM(loaded=loaded, **kw)
@@ -215,9 +237,14 @@ def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int) -> None:
      "MoE"),
     ({"text": {"hidden_size_per_layer_input": 8}}, "per-layer inputs"),
     ({"text": {"num_key_value_heads": 1}}, "architecture mismatch"),
+    # A full-attention assistant layer with the sliding head size, against a target whose full layers are
+    # wider (the published E2B's 512 against 256).
+    ({"target_kind": "e2b", "text": {"global_head_dim": 16}},
+     r"assistant layer 1 \(full_attention\) has head_dim 16.*target layer 4 KV it reads has head_dim 32"),
 ])
 def test_startup_checks_name_the_mismatch(tmp_path: Path, override: dict[str, Any], message: str) -> None:
-    tdir, adir, _, _ = make_pair(tmp_path)
+    override = dict(override)
+    tdir, adir, _, _ = make_pair(tmp_path, target_kind=override.pop("target_kind", None))
     cfg = json.loads((adir / "config.json").read_text())
     for key, value in override.items():
         if key == "text":

@@ -205,8 +205,7 @@ def test_spec_equals_plain_at_batch_1_4_8(method: str) -> None:
 @pytest.mark.parametrize("method", list(METHODS))
 def test_spec_mixed_with_sampled_requests_prefix_hits_and_preemption(method: str) -> None:
     loaded = default_model()
-    n_kv, head_dim = adapter.kv_shape(loaded.model)
-    per_block = PagedKVCache.bytes_per_block(len(loaded.model.layers), 16, n_kv, head_dim, loaded.dtype)
+    per_block = PagedKVCache.bytes_per_block(adapter.kv_layout(loaded.model).shapes, 16, loaded.dtype)
     per_block *= 2 if method == "draft_model" else 1
     llm = spec_llm(method, max_model_len=256, kv_cache_memory=str(20 * per_block))
     ps = prompts()
@@ -268,8 +267,7 @@ def test_acceptance_counters_are_consistent() -> None:
 # -- the draft model's share of the KV memory --------------------------------------------------------
 def _target_block_bytes() -> int:
     loaded = default_model()
-    n_kv, head_dim = adapter.kv_shape(loaded.model)
-    return PagedKVCache.bytes_per_block(len(loaded.model.layers), 16, n_kv, head_dim, loaded.dtype)
+    return PagedKVCache.bytes_per_block(adapter.kv_layout(loaded.model).shapes, 16, loaded.dtype)
 
 
 def test_draft_kv_split_static_auto_and_explicit() -> None:
