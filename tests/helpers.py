@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -115,3 +116,22 @@ def run_offline(code: str, cache: Path, home: Path, timeout: int = 300) -> list[
                          timeout=timeout, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout.strip().splitlines()
+
+
+def scale_weights(model: Any) -> None:
+    """Multiply a random-weight transformers model's matrices by 4: greedy choices land far from ties."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+
+
+def save_with_default_tokenizer(model: Any, folder: Path) -> None:
+    """Save a tiny transformers model as a Hugging Face folder with the default model's tokenizer files."""
+    from engine.models.loader import default_model_folder
+
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_folder(progress=False) / name, folder / name)

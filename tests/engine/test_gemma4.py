@@ -34,9 +34,9 @@ from engine.core import EngineCore
 from engine.kv.cache import PagedKVCache
 from engine.llm import LLM
 from engine.models import adapter
-from engine.models.loader import default_model_folder, load_model
+from engine.models.loader import load_model
 from engine.sampling import SamplingParams
-from tests.helpers import CHATS
+from tests.helpers import CHATS, save_with_default_tokenizer, scale_weights
 
 torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install torch==2.13.0) "
                                             "is needed to build the transformers reference models")
@@ -69,19 +69,14 @@ def make_gemma4(folder: Path, kind: str, seed: int = 0) -> Any:
                            global_head_dim=GLOBAL_HEAD_DIM, sliding_window=WINDOW,
                            final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=1, bos_token_id=2, **kw)
     model = Gemma4ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights make greedy choices far from ties
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(4.0)
-    model.save_pretrained(folder)
+    scale_weights(model)
+    save_with_default_tokenizer(model, folder)
     # transformers folds these into per_layer_config and does not write them; mlx-lm reads them.
     config = json.loads((folder / "config.json").read_text())
     config["global_head_dim"] = GLOBAL_HEAD_DIM
     if "num_global_key_value_heads" in kw:
         config["num_global_key_value_heads"] = kw["num_global_key_value_heads"]
     (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_folder(progress=False) / name, folder / name)
     return model
 
 

@@ -16,13 +16,13 @@ import pytest
 from engine.kv.cache import PagedKVCache
 from engine.llm import LLM
 from engine.models import adapter
-from engine.models.loader import default_model_folder, load_model
+from engine.models.loader import load_model
 from engine.models.mtp_assistant import MTPAssistantError, load_assistant
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.spec.mtp import MTPProposer
 from engine.spec.proposer import DraftRequest
-from tests.helpers import CHATS, hub_repo, run_offline
+from tests.helpers import CHATS, hub_repo, run_offline, save_with_default_tokenizer, scale_weights
 
 torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install torch==2.13.0) "
                                             "is needed to build the transformers reference models")
@@ -40,13 +40,6 @@ def _patch_config(folder: Path, extra: dict[str, Any], text: bool) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     (cfg["text_config"] if text else cfg).update(extra)
     (folder / "config.json").write_text(json.dumps(cfg))
-
-
-def _scale(model: Any) -> None:
-    with torch.no_grad():  # larger weights make greedy choices far from ties
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(4.0)
 
 
 def make_pair(root: Path, seed: int = 0, ordered: bool = False, target_kind: str | None = None,
@@ -69,11 +62,9 @@ def make_pair(root: Path, seed: int = 0, ordered: bool = False, target_kind: str
         tcfg = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                 layer_types=list(TYPES), num_kv_shared_layers=0, **COMMON)
         target = Gemma4ForCausalLM(tcfg).eval()
-        _scale(target)
-        target.save_pretrained(tdir)
+        scale_weights(target)
+        save_with_default_tokenizer(target, tdir)
         _patch_config(tdir, {"global_head_dim": 16}, text=False)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(default_model_folder(progress=False) / name, tdir / name)
         global_head_dim = 16
     else:
         from tests.engine.test_gemma4 import GLOBAL_HEAD_DIM, KINDS, make_gemma4
@@ -104,7 +95,7 @@ def make_pair(root: Path, seed: int = 0, ordered: bool = False, target_kind: str
         assistant = Gemma4AssistantForCausalLM(acfg).eval()
     finally:
         Gemma4TextConfig.kv_sharing_modes = orig
-    _scale(assistant)
+    scale_weights(assistant)
     if ordered:
         assistant.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
     adir = root / "assistant"

@@ -5,7 +5,6 @@ greedy with the draft equals plain decoding batched, and the draft's KV comes ou
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,9 @@ from engine.core import EngineCore
 from engine.cpu import qgemm
 from engine.llm import LLM
 from engine.models import adapter
-from engine.models.loader import default_model_folder, load_model
+from engine.models.loader import load_model
 from engine.sampling import SamplingParams
-from tests.helpers import CHATS
+from tests.helpers import CHATS, save_with_default_tokenizer, scale_weights
 
 torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install torch==2.13.0) "
                                             "is needed to build the transformers reference models")
@@ -38,13 +37,8 @@ def make_qwen3(folder: Path, seed: int, hidden: int, layers: int, heads: int, kv
                       max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights make greedy choices far from ties
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(4.0)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_folder(progress=False) / name, folder / name)
+    scale_weights(model)
+    save_with_default_tokenizer(model, folder)
     return model
 
 
