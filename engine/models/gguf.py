@@ -1,12 +1,14 @@
-"""Convert a llama, qwen2 or qwen3 GGUF file into an MLX (mlx-lm / Hugging Face style) model folder.
+"""Convert a llama, qwen2, qwen3, gemma3 or gemma4 GGUF file into an MLX (mlx-lm / Hugging Face style)
+model folder.
 
 `mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
 triples (`.weight` uint32, `.scales` / `.biases` float16, group size 32), F32 stays float32 and
 F16 / BF16 / K-quants come back as float16.  This module renames the tensors to the Hugging Face
 layout of the family, undoes llama.cpp's Q/K row permutation (llama only: llama.cpp's converter
-permutes nothing for the NeoX-RoPE qwen families), and rebuilds config.json and a `tokenizers`
-tokenizer.json from the GGUF metadata. Metadata keys and each architecture's tensor list come from
-the `gguf` package's tables (the ones llama.cpp's own converter writes with).
+permutes nothing for the NeoX-RoPE qwen and gemma families) and the +1 it adds to gemma3's norm weights,
+and rebuilds config.json and a `tokenizers` tokenizer.json from the GGUF metadata. Metadata keys and each
+architecture's tensor list come from the `gguf` package's tables (the ones llama.cpp's own converter
+writes with).
 """
 
 from __future__ import annotations
@@ -46,10 +48,44 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# Architectures served: their Hugging Face class and whether llama.cpp permuted Q/K rows. Others (gemma3,
-# gemma4: norm offsets, embedding scales, per-layer head sizes) are refused by name.
-_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-          "qwen3": ("Qwen3ForCausalLM", False)}
+# Gemma's names where they differ from llama's: a norm after attention and one each side of the MLP,
+# Gemma4's per-layer inputs and layer scalar.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+_GEMMA_TOP_NAMES = {
+    **_TOP_NAMES,
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+}
+# Every layer has these (Gemma4's KV-shared layers have no K/V projections).
+_REQUIRED_BLOCK = ("attn_norm", "attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class _Arch:
+    hf_class: str
+    model_type: str  # mlx-lm's
+    permuted_qk: bool  # llama.cpp permuted Q/K rows (llama's RoPE layout)
+    layer_names: dict[str, str]
+    top_names: dict[str, str]
+    norm_shift: float = 0.0  # llama.cpp stored norm weight + this (Gemma3's RMSNorm scales by 1 + w)
+
+
+_ARCHS = {
+    "llama": _Arch("LlamaForCausalLM", "llama", True, _LAYER_NAMES, _TOP_NAMES),
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", False, _LAYER_NAMES, _TOP_NAMES),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", False, _LAYER_NAMES, _TOP_NAMES),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA_LAYER_NAMES, _GEMMA_TOP_NAMES, 1.0),
+    "gemma4": _Arch("Gemma4ForCausalLM", "gemma4_text", False, _GEMMA_LAYER_NAMES, _GEMMA_TOP_NAMES),
+}
 
 # tokenizer.ggml.pre -> pre-tokenizer family (llama.cpp's llama-vocab.cpp groups them the same way).
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
@@ -101,12 +137,15 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: _Arch | None = None) -> str:
+    arch = arch or _ARCHS["llama"]
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) >= 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{'.'.join(parts[3:])}"
-    if parts[0] in _TOP_NAMES and len(parts) >= 2:
-        return f"{_TOP_NAMES[parts[0]]}.{'.'.join(parts[1:])}"
+    if parts[0] == "blk" and len(parts) >= 4 and parts[2] == "layer_output_scale":
+        return f"model.layers.{parts[1]}.layer_scalar"  # gemma4's [1] parameter, not a module's weight
+    if parts[0] == "blk" and len(parts) >= 4 and parts[2] in arch.layer_names:
+        return f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}.{'.'.join(parts[3:])}"
+    if parts[0] in arch.top_names and len(parts) >= 2:
+        return f"{arch.top_names[parts[0]]}.{'.'.join(parts[1:])}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent here")
 
 
@@ -156,23 +195,38 @@ def _llama3_rope_scaling(factors: list[float], theta: float, head_dim: int, md: 
     raise NotImplementedError("rope_freqs.weight does not match any llama3 rope scaling this converter knows")
 
 
-def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: mx.array | None,
-                  arch: str = "llama") -> dict:
-    def get(key: str, default: Any = None) -> Any:
-        value = _py(md.get(f"{arch}.{key}", default))
+class _Meta:
+    """The architecture's metadata keys (`{arch}.{key}`)."""
+
+    def __init__(self, md: dict[str, Any], arch: str) -> None:
+        self.md, self.arch = md, arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = _py(self.md.get(f"{self.arch}.{key}", default))
         if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+            raise ValueError(f"GGUF metadata lacks {self.arch}.{key}")
         return value
 
-    def scalar(key: str, default: Any = None) -> Any:
-        value = get(key, default)
-        # Some GGUFs store per-layer lists; these architectures need them uniform.
+    def scalar(self, key: str, default: Any = None) -> Any:
+        value = self.get(key, default)
+        # Some GGUFs store per-layer lists; where a family needs them uniform, say so.
         if isinstance(value, list):
             if len(set(value)) != 1:
-                raise NotImplementedError(f"{arch}.{key} varies per layer: {value}")
+                raise NotImplementedError(f"{self.arch}.{key} varies per layer: {value}")
             value = value[0]
         return value
 
+    def per_layer(self, key: str, n: int, default: Any = None) -> list[Any]:
+        value = self.get(key, default)
+        return list(value) if isinstance(value, list) else [value] * n
+
+
+def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: mx.array | None,
+                  arch: str = "llama") -> dict:
+    meta = _Meta(md, arch)
+    get, scalar = meta.get, meta.scalar
+    if arch.startswith("gemma"):
+        return _gemma_config(meta, weights, rope_freqs)
     hidden, n_head = int(get("embedding_length")), int(scalar("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_head))
     rope_dims = int(get("rope.dimension_count", head_dim))
@@ -181,7 +235,7 @@ def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: 
     theta = _f32(get("rope.freq_base", 10000.0))
     config: dict[str, Any] = {
         "model_type": arch,
-        "architectures": [_ARCHS[arch][0]],
+        "architectures": [_ARCHS[arch].hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(scalar("feed_forward_length")),
@@ -207,6 +261,87 @@ def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: 
                 get("rope.scaling.original_context_length"))
     elif scaling not in (None, "none"):
         raise NotImplementedError(f"rope scaling {scaling!r} is not supported")
+    return config
+
+
+def _gemma_config(meta: _Meta, weights: dict[str, mx.array], rope_freqs: mx.array | None) -> dict:
+    """gemma3 / gemma4 metadata as llama.cpp's converter writes it, as mlx-lm's config. What the file does
+    not say is what llama.cpp itself assumes: gemma3's every sixth layer global, its attention scaled by
+    the head size (by hidden / heads for the 62-layer 27B), GELU-tanh MLPs."""
+    get = meta.get
+    n = int(get("block_count"))
+    hidden, n_head = int(get("embedding_length")), int(meta.scalar("attention.head_count"))
+    config: dict[str, Any] = {
+        "architectures": [_ARCHS[meta.arch].hf_class],
+        "model_type": _ARCHS[meta.arch].model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": n,
+        "num_attention_heads": n_head,
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length", 131072)),
+        "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(get("attention.sliding_window")),
+    }
+    if (cap := _py(meta.md.get(f"{meta.arch}.final_logit_softcapping"))) is not None:
+        config["final_logit_softcapping"] = _f32(cap)
+    theta, theta_swa = _f32(get("rope.freq_base", 1_000_000.0)), _f32(get("rope.freq_base_swa", 10_000.0))
+    if meta.arch == "gemma3":
+        head_dim = int(get("attention.key_length"))
+        config.update(
+            intermediate_size=int(meta.scalar("feed_forward_length")),
+            num_key_value_heads=int(meta.scalar("attention.head_count_kv", n_head)), head_dim=head_dim,
+            query_pre_attn_scalar=hidden // n_head if n == 62 else head_dim, sliding_window_pattern=6,
+            rope_theta=theta, rope_local_base_freq=theta_swa)
+        scaling = _py(meta.md.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=meta.arch)))
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+        elif scaling not in (None, "none"):
+            raise NotImplementedError(f"rope scaling {scaling!r} is not supported for gemma3")
+        return config
+    # gemma4: per-layer attention type, head size, KV heads and MLP width.
+    sliding = [bool(x) for x in meta.per_layer("attention.sliding_window_pattern", n)]
+    shared = int(get("attention.shared_kv_layers", 0))
+    first_shared = n - shared
+    kv = [int(x) for x in meta.per_layer("attention.head_count_kv", n, n_head)]
+    ffn = [int(x) for x in meta.per_layer("feed_forward_length", n)]
+    head_dim, global_head_dim = int(get("attention.key_length_swa")), int(get("attention.key_length"))
+    kv_swa = {k for k, s in zip(kv, sliding, strict=True) if s} or set(kv)
+    kv_full = {k for k, s in zip(kv, sliding, strict=True) if not s} or kv_swa
+    widths = set(ffn[:first_shared])
+    if len(kv_swa) != 1 or len(kv_full) != 1 or len(widths) != 1:
+        raise NotImplementedError(f"gemma4: KV heads {kv} or MLP widths {ffn} vary within a layer type")
+    width = widths.pop()
+    double = shared > 0 and all(f == 2 * width for f in ffn[first_shared:])
+    if not double and any(f != width for f in ffn):
+        raise NotImplementedError(f"gemma4: MLP widths {ffn} are neither uniform nor double on shared layers")
+    # K = V: the full-attention layers that store KV have no V projection.
+    full_stores = [i for i in range(first_shared) if not sliding[i]]
+    k_eq_v = bool(full_stores) and all(f"model.layers.{i}.self_attn.v_proj.weight" not in weights
+                                       for i in full_stores)
+    # rope_freqs (full layers only): 1 for the rotated pairs, 1e30 for the pairs left as they are.
+    factor = 1.0
+    if rope_freqs is not None:
+        freqs = np.array(rope_freqs.astype(mx.float32))
+        factor = float((freqs < 1e20).sum() * 2 / global_head_dim)
+    if (rot_swa := int(get("rope.dimension_count_swa", head_dim))) != head_dim:
+        raise NotImplementedError(f"gemma4: partial rotary on sliding layers ({rot_swa} of {head_dim} dims)")
+    per_layer = int(get("embedding_length_per_layer_input", 0))
+    config.update(
+        intermediate_size=width, use_double_wide_mlp=double, num_kv_shared_layers=shared,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        num_key_value_heads=kv_swa.pop(), head_dim=head_dim, global_head_dim=global_head_dim,
+        attention_k_eq_v=k_eq_v, hidden_size_per_layer_input=per_layer,
+        rope_parameters={
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": factor,
+                               "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa}})
+    full_kv = kv_full.pop()
+    if k_eq_v or full_kv != config["num_key_value_heads"]:
+        config["num_global_key_value_heads"] = full_kv
+    if per_layer:
+        config["vocab_size_per_layer_input"] = int(weights["model.embed_tokens_per_layer.weight"].shape[0])
     return config
 
 
@@ -287,10 +422,11 @@ def _build_tokenizer(md: dict[str, Any], context_length: int) -> tuple[dict, dic
     types = _py(md.get("tokenizer.ggml.token_type")) or [_TT_NORMAL] * len(tokens)
     if kind == "gpt2":
         model, normalizer, pre_tok, decoder = _gpt2_parts(md)
-    elif kind == "llama":
+    elif kind in ("llama", "gemma4"):  # gemma4: sentencepiece-style BPE with its merges, no prefix space
         model, normalizer, pre_tok, decoder = _spm_parts(md, types)
     else:
-        raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only gpt2 and llama)")
+        raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported "
+                                  "(only gpt2, llama and gemma4)")
 
     def special(key: str) -> str | None:
         idx = _py(md.get(f"tokenizer.ggml.{key}_token_id"))
@@ -358,7 +494,7 @@ def _load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
 
 def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | None = None) -> GGUFModel:
-    """Read a llama / qwen2 / qwen3 GGUF into HF/mlx-lm named weights plus config and tokenizer files.
+    """Read a GGUF of a family above into HF/mlx-lm named weights plus config and tokenizer files.
 
     `dtype` casts every float tensor, quantization scales/biases included; None keeps float16
     when the file holds any half-precision data. (On MLX's CPU backend float32 quantized matmuls
@@ -368,19 +504,22 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
     arch = _py(md.get(gguf.Keys.General.ARCHITECTURE))
     if arch not in _ARCHS:
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only {', '.join(_ARCHS)})")
+    family = _ARCHS[arch]
+    if _py(md.get(f"{arch}.expert_count")):
+        raise NotImplementedError(f"GGUF {arch}: mixture-of-experts files are not supported")
     n_layers = int(_py(md[gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)]))
     n_head = _py(md[gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)])
     n_kv = _py(md.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_head))
-    heads = {"attn_q": n_head, "attn_k": n_kv} if _ARCHS[arch][1] else {}
+    heads = {"attn_q": n_head, "attn_k": n_kv} if family.permuted_qk else {}
     heads = {k: int(v[0] if isinstance(v, list) else v) for k, v in heads.items()}
 
     # mx.load silently drops tensors of some types (e.g. MXFP4); fail loudly instead. Expected: the
-    # architecture's block tensors (gguf's table) that these families always have.
+    # architecture's block tensors (gguf's table) that every layer of these families has.
     bases = {n.rsplit(".", 1)[0] for n in raw}
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     block = [gguf.TENSOR_NAMES[t].split(".")[-1] for t in gguf.MODEL_TENSORS[arch_enum]
              if gguf.TENSOR_NAMES[t].startswith("blk.")]
-    required = [b for b in block if b in _LAYER_NAMES]
+    required = [b for b in block if b in _REQUIRED_BLOCK]
     expected = {"token_embd", "output_norm"} | {f"blk.{i}.{b}" for i in range(n_layers) for b in required}
     if missing := sorted(expected - bases):
         raise ValueError(f"GGUF lacks tensors {missing[:5]} (unsupported tensor type?)")
@@ -396,10 +535,12 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
         parts = name.split(".")
         if parts[0] == "blk" and parts[2] in heads:
             w = unpermute_rows(w, heads[parts[2]])
+        if family.norm_shift and name.endswith("norm.weight"):
+            w = w.astype(mx.float32) - family.norm_shift
         if mx.issubdtype(w.dtype, mx.floating):
             w = w.astype(dtype)
         mx.eval(w)
-        weights[_hf_name(name)] = w
+        weights[_hf_name(name, family)] = w
 
     config = _build_config(md, weights, rope_freqs, arch)
     config["torch_dtype"] = _DTYPE_NAMES[dtype]

@@ -327,8 +327,8 @@ def test_llama3_rope_scaling_recovered(tmp_path: Path) -> None:
 
 
 def test_rejects_other_architectures_and_keeps_folders_intact(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "q.gguf", VARIANTS["F32"], gpt2_vocab(), arch="gemma3")
-    with pytest.raises(NotImplementedError, match="'gemma3' is not supported"):
+    write_tiny_gguf(tmp_path / "q.gguf", VARIANTS["F32"], gpt2_vocab(), arch="phi3")
+    with pytest.raises(NotImplementedError, match="'phi3' is not supported"):
         convert_gguf(tmp_path / "q.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
     (tmp_path / "busy").mkdir()
