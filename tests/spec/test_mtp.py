@@ -336,7 +336,7 @@ def test_guide_benchmark_form(tmp_path: Path, kind: str) -> None:
     from server.cli import main
 
     if kind == "mtp":
-        tdir, assistant, _, _ = make_pair(tmp_path / "src", seed=1)
+        tdir, assistant, _, _ = make_pair(tmp_path / "src", seed=1, target_kind="e2b")  # E2B-shaped target
     else:  # the guide's Qwen3 pair
         from tests.spec.test_qwen3_draft import make_qwen3
 
