@@ -292,6 +292,14 @@ def quantized_copy(model: str | None, quantization: str, revision: str | None = 
     return folder
 
 
+def materialize(module: nn.Module) -> None:
+    """Evaluate every array the module tree holds, private ones included (mlx-lm's ProportionalRoPE keeps its
+    frequencies in `_freqs`, outside `parameters()`): an array left lazy belongs to the loading thread's
+    stream, and evaluating it on the engine thread raises "There is no Stream(cpu, 0) in current thread"."""
+    arrays = [v for _, m in module.named_modules() for v in m.values() if isinstance(v, mx.array)]
+    mx.eval(arrays)
+
+
 def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progress: bool) -> None:
     from tqdm import tqdm
 
@@ -301,4 +309,5 @@ def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progr
             mx.eval(layer.parameters())
             bar.update(1)
         apply_plan(net, plan, dtype)
+        materialize(net)
         bar.update(1)

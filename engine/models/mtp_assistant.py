@@ -24,7 +24,7 @@ from mlx.utils import tree_map_with_path
 from engine.attention.types import AttentionMetadata
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
-from engine.models.loader import LoadedModel
+from engine.models.loader import LoadedModel, materialize
 from engine.models.mtp_trained import check_config, id_out_of_range, load_trained
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_mtp")
@@ -258,7 +258,7 @@ def load_assistant(path: str, target: LoadedModel, revision: str | None = None,
     keep_int = tree_map_with_path(lambda k, v: v if k == "token_ordering" else v.astype(dtype),
                                   net.parameters())
     net.update(keep_int)
-    mx.eval(net.parameters())
+    materialize(net)
     windows = [args.sliding_window if t == "sliding_attention" else None for t in args.layer_types]
     return LoadedAssistant(module=net, target_layers=sources, windows=windows, path=str(folder))
 

@@ -357,3 +357,24 @@ def test_guide_benchmark_form(tmp_path: Path, kind: str) -> None:
     assert spec["runs"][0]["token_ids"] == off["runs"][0]["token_ids"]
     assert all(len(t) == 8 for t in spec["runs"][0]["token_ids"])
     assert spec["summary"]["spec"]["num_draft_tokens"] > 0
+
+
+def test_a_gemma4_pair_loaded_on_one_thread_serves_on_another(tmp_path: Path) -> None:
+    """The server loads on the main thread and steps on the engine thread: every array the target and the
+    assistant hold must be evaluated at load (a lazy one belongs to the loading thread's stream; mlx-lm's
+    partial-rotary RoPE keeps its frequencies outside `parameters()`)."""
+    import threading
+
+    tdir, adir, _, _ = make_pair(tmp_path, seed=1, target_kind="e2b")
+    loaded = load_model(str(tdir), dtype="float32", progress=False)
+    spec = {"method": "mtp", "model": str(adir), "num_speculative_tokens": 2}
+    llm = LLM(loaded=loaded, speculative_config=spec, kv_cache_memory="64MiB", max_model_len=256,
+              block_size=8, show_progress=False)
+    prompts = [loaded.tokenizer.encode(t) for t in CHATS[:2]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got: list[Any] = []
+    worker = threading.Thread(target=lambda: got.append(llm.generate(prompts, greedy)))
+    worker.start()
+    worker.join()
+    assert got and all(o.error is None and len(o.token_ids) == 8 for o in got[0]), got
+    assert sum(o.spec_num_draft_tokens for o in got[0]) > 0
