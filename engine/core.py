@@ -30,6 +30,7 @@ from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from engine.spec.decoding import SpecDecoding
 from engine.spec.factory import load_draft
 from engine.stats import FinishedRequestStats, IterationStats
+from engine.structured import CompiledGrammar, GrammarCompiler, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class EngineCore:
             self.speculation = SpecDecoding(self.spec, draft, draft_blocks, bs, self.loaded, self.runner,
                                             self.spec_max_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.structured = StructuredOutputManager(GrammarCompiler(self.tokenizer, self.loaded.vocab_size,
+                                                                  self.loaded.eos_token_ids))
         # Requests that ended outside a step (aborts): reported with the next stats object.
         self._finished_backlog: list[FinishedRequestStats] = []
         self._failed_steps = 0  # consecutive steps whose forward raised for every request
@@ -162,18 +165,24 @@ class EngineCore:
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stop_matcher: StopMatcher | None = None) -> None:
-        """`stop_matcher`: `engine.detokenize.stop_matcher(params.stop)`, built beforehand by a server so
-        that the engine thread never pays for it (None: built here). Raises and leaves no state behind."""
+                    stop_matcher: StopMatcher | None = None, grammar: CompiledGrammar | None = None) -> None:
+        """`stop_matcher`: `engine.detokenize.stop_matcher(params.stop)`, and `grammar`:
+        `self.structured.compiler.compile(params.structured)`, built beforehand by a server so that the
+        engine thread never pays for them (None: built here). Raises (a GrammarError, a ValueError, for a
+        grammar that does not compile) and leaves no state behind."""
         max_tokens = self.check_request(prompt_token_ids, params)
         faults = self.runner.faults
         if faults is not None and faults.hits("add_request_error", prompt_token_ids):
             raise MemoryError("injected fault: add_request_error")
+        if params.structured is not None and grammar is None:
+            grammar = self.structured.compiler.compile(params.structured)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                       max_tokens=max_tokens, eos_token_ids=self.loaded.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params, stop_matcher)
         self.scheduler.add_request(req)
         self._detok[request_id] = detok
+        if params.structured is not None and grammar is not None:
+            self.structured.add(request_id, grammar)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -208,10 +217,16 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return [], None
+        self.structured.attach_masks(so)
         res = self._execute(so)
         spec = self.speculation
         spec_stats = spec.observe(so, res, self.scheduler.requests) if spec is not None else None
         updates = self.scheduler.update(so, res)
+        for req, new_tokens in updates:
+            if not self.structured.accept(req.request_id, new_tokens) and not req.status.finished:
+                # Masked rows cannot leave the grammar; a request that did fails rather than go on unchecked.
+                req.error = "the output left the request's grammar"
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
         now = time.monotonic()
         stats = self._new_stats(now, now - t0, len(so.scheduled))
         stats.num_preempted = len(so.preempted_ids)
@@ -228,7 +243,23 @@ class EngineCore:
         stats.kv_cache_usage = self.kv.usage()
         if spec is not None:
             spec.propose(self.scheduler.running, self.kv, stats)
+            self._fit_structured_drafts()
         return outputs, stats
+
+    def _fit_structured_drafts(self) -> None:
+        """Drafts of constrained requests: cut where the grammar rejects them, or the grammar's forced
+        tokens where it allows only one continuation (within the room a draft has)."""
+        if not self.structured.matchers or self.spec is None:
+            return
+        running = self.scheduler.running
+        k = self.spec.tokens_for_batch(len(running))
+        for req in running:
+            if req.request_id not in self.structured.matchers:
+                continue
+            decoding = not req.spec_disabled and req.num_computed_tokens == req.num_tokens - 1
+            limit = min(k, req.max_tokens - req.num_output_tokens - 1,
+                        self.spec_max_len - req.num_tokens) if decoding else 0
+            self.structured.fit_drafts(req, limit, keep=req.request_id in self.runner.draft_probs)
 
     def _execute(self, so: SchedulerOutput) -> RunnerOutput:
         """The runner's step; a failure fails only the requests that fail alone, and a runner that fails
@@ -325,6 +356,7 @@ class EngineCore:
         return res, raised
 
     def _release_request(self, req: Request) -> None:
+        self.structured.release(req.request_id)
         if self.speculation is not None:
             self.speculation.release(req)
 

@@ -22,6 +22,7 @@ from engine.detokenize import StopMatcher
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.stats import IterationStats
+from engine.structured import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class _Add:
     params: SamplingParams
     callback: OutputCallback
     stop_matcher: StopMatcher | None = None
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass(slots=True)
@@ -76,16 +78,16 @@ class EngineLoop:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     callback: OutputCallback, stop_matcher: StopMatcher | None = None,
-                    checked: bool = False) -> None:
-        """Raises ValueError for a request the engine cannot take (before it is queued). `stop_matcher`:
-        see `EngineCore.add_request` (build it on another thread: this one runs the engine). `checked`:
-        the caller ran `check_request` already, so it is not repeated here (on a server's event loop it
-        walks every prompt token); the engine thread checks again in any case."""
+                    checked: bool = False, grammar: CompiledGrammar | None = None) -> None:
+        """Raises ValueError for a request the engine cannot take (before it is queued). `stop_matcher`,
+        `grammar`: see `EngineCore.add_request` (build them on another thread: this one runs the engine).
+        `checked`: the caller ran `check_request` already, so it is not repeated here (on a server's event
+        loop it walks every prompt token); the engine thread checks again in any case."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         if not checked:
             self.core.check_request(prompt_token_ids, params)
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, callback, stop_matcher))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, callback, stop_matcher, grammar))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -114,7 +116,8 @@ class EngineLoop:
     def _handle(self, cmd: _Add | _Abort | None) -> None:
         if isinstance(cmd, _Add):
             try:
-                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stop_matcher)
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.stop_matcher,
+                                      cmd.grammar)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
                 if isinstance(e, ValueError):  # the engine's own validation message
                     message = str(e)

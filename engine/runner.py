@@ -22,6 +22,21 @@ from engine.spec.rejection import RejectionConfig, verify_sampled
 from engine.spec.verify import verify_greedy
 
 
+def apply_grammar_masks(host: np.ndarray, so: SchedulerOutput, counts: list[int]) -> np.ndarray:
+    """A copy of the logits [N, vocab] with every token a row's grammar forbids at -inf (structured outputs:
+    the sampler, argmax verification and the rejection rules all read the masked rows)."""
+    out = np.array(host)
+    vocab = out.shape[1]
+    row = 0
+    for sr, n in zip(so.scheduled, counts, strict=True):
+        mask = sr.grammar_mask
+        if mask is not None and n:
+            allowed = np.unpackbits(mask[:n].view(np.uint8), axis=1, bitorder="little", count=vocab)
+            out[row : row + n][allowed == 0] = -np.inf
+        row += n
+    return out
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: PagedKVCache,
                  attention_fn: Callable[..., mx.array] = paged_attention_reference,
@@ -86,6 +101,9 @@ class ModelRunner:
         # in place, where MLX's CPU ops cost ~0.2 ms each per step.
         host = host_view(mx.contiguous(logits)) if logits.shape[0] else np.zeros(logits.shape, np.float32)
         finite = np.isfinite(host).all(axis=-1).tolist()
+        if any(sr.grammar_mask is not None for sr in so.scheduled):
+            host = apply_grammar_masks(host, so, counts)
+            logits = mx.array(host)
 
         out = RunnerOutput()
         # Rows by how they are decided: argmax-only verification (greedy, nothing position-dependent) in

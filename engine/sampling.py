@@ -38,6 +38,28 @@ def _check_int(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's `structured_outputs`): exactly one of a JSON schema (as
+    JSON text), any JSON object, a regular expression, one of a list of strings, or a grammar (Lark or
+    GBNF). Compiled by `engine/structured.py`."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice "
+                             f"and grammar, got {given or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of strings")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's max length (engine decides)
@@ -60,9 +82,12 @@ class SamplingParams:
     # only with requests of the same salt (None: the unsalted pool). Not a sampling option, but this is
     # the per-request record that travels with the request into the engine.
     cache_salt: str | None = None
+    structured: StructuredOutputs | None = None  # the output must match it (token masks per step)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError (message starts with the offending field) for out-of-range values."""
+        if self.structured is not None:
+            self.structured.validate()
         _check_finite("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

@@ -12,10 +12,14 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv.block_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(slots=True)
@@ -30,6 +34,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: list[int]
+    # Structured outputs: the allowed tokens of each logits row, [num_logits, vocab / 32] int32 bits, set by
+    # the engine from the request's grammar before the runner runs (engine/structured.py).
+    grammar_mask: np.ndarray | None = None
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.spec.config import parse_speculative_config
 from engine.stats import IterationStats
+from engine.structured import CompiledGrammar
 from server.errors import APIError
 from server.metrics import EngineSnapshot, Metrics
 from server.settings import ServerSettings
@@ -41,6 +42,7 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_matcher: StopMatcher | None = None  # built off the event loop and the engine thread
+    grammar: CompiledGrammar | None = None  # params.structured compiled, likewise
     checked: bool = False  # validated with the engine's check already (off the event loop)
 
 
@@ -62,7 +64,7 @@ class RequestStream:
         try:
             for i, (rid, sub) in enumerate(zip(self.engine_ids, subs, strict=True)):
                 client._loop.add_request(rid, sub.prompt_token_ids, sub.params, self._callback(i),
-                                         sub.stop_matcher, checked=sub.checked)
+                                         sub.stop_matcher, checked=sub.checked, grammar=sub.grammar)
                 self._pending.add(rid)
                 client._unfinished.add(rid)
         except BaseException:

@@ -7,12 +7,14 @@ their neutral value. Cross-field rules live in `check()` and raise `APIError` na
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.sampling import StructuredOutputs
 from server.errors import bad_request
 
 MAX_CHOICES = 256  # prompts x n per request: bounds the work one HTTP request can queue
@@ -101,7 +103,6 @@ _NEUTRAL: dict[str, Any] = {
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "suffix": lambda v: not v,
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
@@ -138,7 +139,14 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants (the engine checks it)
     # accepted with neutral values only (see _NEUTRAL)
     logit_bias: dict[str, float] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -182,6 +190,51 @@ class _SamplingRequest(_Request):
                               f"{limits.max_token_ids} (--max-stop-token-ids)", param="stop_token_ids",
                               code="too_many_stop_token_ids")
 
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """What the output must match, and the field that asked (for error messages); raises a 400 for
+        a malformed or ambiguous request. The grammar itself is compiled later, off the event loop."""
+        found: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                found.append(("response_format", StructuredOutputs(json_object=True)))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise bad_request("response_format.json_schema must be an object with a `schema`",
+                                      param="response_format.json_schema")
+                schema = spec.get("schema")
+                if schema is None:
+                    found.append(("response_format", StructuredOutputs(json_object=True)))
+                else:
+                    found.append(("response_format", StructuredOutputs(
+                        json=_schema_text(schema, "response_format.json_schema.schema"))))
+            elif kind != "text":
+                raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, "
+                                  f"json_schema)", param="response_format.type")
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", _structured_from(self.structured_outputs)))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for key, value in guided.items():
+            if value is not None:
+                found.append((f"guided_{key}", _structured_from({key: value}, f"guided_{key}")))
+        if self.guided_decoding_backend not in (None, "auto", "llguidance", "guidance"):
+            raise bad_request(f"guided_decoding_backend {self.guided_decoding_backend!r}: this server's "
+                              f"grammar engine is llguidance", param="guided_decoding_backend")
+        if len(found) > 1:
+            raise bad_request(f"send one of response_format, structured_outputs and guided_*, not "
+                              f"{', '.join(name for name, _ in found)}", param=found[1][0])
+        if not found:
+            return None, None
+        param, spec = found[0]
+        try:
+            spec.validate()
+        except ValueError as e:
+            raise bad_request(str(e).replace("structured_outputs", param), param=param) from None
+        return spec, param
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -189,6 +242,41 @@ class _SamplingRequest(_Request):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    """A JSON schema as JSON text: an object (or boolean), or a string holding one."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema object", param=param)
+    return json.dumps(schema)
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_from(body: Any, param: str = "structured_outputs") -> StructuredOutputs:
+    if not isinstance(body, dict):
+        raise bad_request(f"{param} must be an object", param=param)
+    unknown = sorted(set(body) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise bad_request(f"structured_outputs.{unknown[0]} is not supported (this server takes "
+                          f"{', '.join(_STRUCTURED_KEYS)})", param=f"structured_outputs.{unknown[0]}")
+    given = {k: v for k, v in body.items() if v is not None and v is not False}
+    json_text = _schema_text(given["json"], param) if "json" in given else None
+    for key in ("regex", "grammar"):
+        if key in given and not isinstance(given[key], str):
+            raise bad_request(f"{param}: `{key}` must be a string", param=param)
+    choice = given.get("choice")
+    if choice is not None and (not isinstance(choice, list) or any(not isinstance(c, str) for c in choice)):
+        raise bad_request(f"{param}: `choice` must be a list of strings", param=param)
+    return StructuredOutputs(json=json_text, json_object=given.get("json_object") is True,
+                             regex=given.get("regex"), grammar=given.get("grammar"),
+                             choice=tuple(choice) if choice is not None else None)
 
 
 class ChatCompletionRequest(_SamplingRequest):

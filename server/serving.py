@@ -28,6 +28,7 @@ from engine.detokenize import StopMatcher, stop_matcher
 from engine.models.loader import generation_defaults
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprob
+from engine.structured import GrammarError
 from server.chat_template import ChatTemplate, compile_template, forbidden_kwarg
 from server.engine_client import EngineClient, EngineDeadError, RequestStream, SubRequest
 from server.errors import APIError, bad_request, internal_error
@@ -328,9 +329,18 @@ class OpenAIServing:
         return self.tokens.render_chat(messages, template, variables, add_generation_prompt,
                                        continue_final_message, self.settings.chat_template_timeout)
 
+    @staticmethod
+    def structured(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> str | None:
+        """Set `params.structured` from the request (blocking: a schema is serialised; call through
+        `offload`). Returns the field that asked for it."""
+        params.structured, param = req.structured()
+        return param
+
     def prepare(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                renames: dict[str, str] | None = None, fit_max_tokens: bool = False) -> list[SubRequest]:
-        """Validate every prompt with the engine and expand to one sub-request per choice.
+                renames: dict[str, str] | None = None, fit_max_tokens: bool = False,
+                structured_param: str | None = None) -> list[SubRequest]:
+        """Validate every prompt with the engine and expand to one sub-request per choice, compiling the
+        request's grammar (blocking: call through `offload`).
         `fit_max_tokens`: max_tokens is a server default, shortened to each prompt's room, never refused."""
         max_len = self.client.max_model_len
         for ids in prompts:
@@ -346,6 +356,13 @@ class OpenAIServing:
                 self.client.check(ids, params)
             except ValueError as e:
                 raise bad_request(str(e), param=_param_of(str(e), renames)) from e
+        grammar = None
+        if params.structured is not None:
+            param = structured_param or "structured_outputs"
+            try:
+                grammar = self.client.core.structured.compiler.compile(params.structured)
+            except GrammarError as e:
+                raise bad_request(f"{param}: {e}", param=param, code="invalid_grammar") from None
         subs = []
         for ids in prompts:
             for j in range(n):
@@ -354,7 +371,7 @@ class OpenAIServing:
                     # distinct but reproducible choices, as vLLM derives child seeds (kept in 64 bits)
                     seed = params.seed + j
                     p = dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
-                subs.append(SubRequest(ids, p, checked=True))
+                subs.append(SubRequest(ids, p, checked=True, grammar=grammar))
         return subs
 
     async def submit(self, request_id: str, subs: list[SubRequest]) -> RequestStream:
@@ -489,9 +506,10 @@ class OpenAIServing:
             renames = {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"}
 
         def preprocess() -> list[SubRequest]:
+            structured_param = self.structured(req, params)
             prompt = self.render_chat(req.messages, source, kwargs, req.add_generation_prompt,
                                       req.continue_final_message)
-            return self.prepare([prompt], params, req.n, renames, fit)
+            return self.prepare([prompt], params, req.n, renames, fit, structured_param)
 
         subs = await self.offload(preprocess)
         stream = await self.submit(request_id, subs)
@@ -579,10 +597,11 @@ class OpenAIServing:
         params, fit = self.sampling_params(req, req.logprobs)
 
         def preprocess() -> tuple[list[SubRequest], list[str]]:
+            structured_param = self.structured(req, params)
             ids = [self.tokens.encode(p, req.add_special_tokens) if isinstance(p, str) else p
                    for p in prompts]
             # token ids are range-checked here, before any decoding
-            subs = self.prepare(ids, params, req.n, fit_max_tokens=fit)
+            subs = self.prepare(ids, params, req.n, fit_max_tokens=fit, structured_param=structured_param)
             texts: list[str] = []
             if req.echo:
                 decoded = iter(self.tokens.decode_many([p for p in prompts if not isinstance(p, str)], False))

@@ -382,7 +382,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path
                         streams[name].append(line[6:])
             ended[name] = time.monotonic()
 
-        readers = [threading.Thread(target=read, args=a) for a in (("short", 4), ("long", 1900))]
+        readers = [threading.Thread(target=read, args=a) for a in (("short", 40), ("long", 1900))]
         for t in readers:
             t.start()
         wait_for(lambda: all(streams.values()) or len(ended) > 0, timeout=60)
