@@ -1,5 +1,6 @@
 """The files specserve ships beside its code: server configs (`specserve serve --config mtp`), the MTP
-assistant trained for the default model, the training prompt sets.
+assistant trained for the default model, the training prompt sets, the default model's chat template with
+tool support (templates/smollm2-tools.jinja).
 
 pyproject.toml installs this folder as the package `specserve_configs`, so a wheel and an editable
 checkout find these files the same way, through importlib.resources.

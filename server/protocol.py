@@ -7,6 +7,7 @@ their neutral value. Cross-field rules live in `check()` and raise `APIError` na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -69,9 +70,37 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+
+    def template_fields(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it: role, content, and a tool turn's call id or an assistant
+        turn's calls (arguments as objects, as Hugging Face templates expect them)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text_of(index)}
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request(f"messages[{index}]: only assistant messages carry tool_calls",
+                                  param=f"messages.{index}.tool_calls")
+            calls = []
+            for j, call in enumerate(self.tool_calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad_request(f"messages[{index}].tool_calls[{j}] needs function.name",
+                                      param=f"messages.{index}.tool_calls.{j}")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    with contextlib.suppress(json.JSONDecodeError):  # else the template gets the text
+                        args = json.loads(args)
+                calls.append({"id": call.get("id"), "type": "function",
+                              "function": {"name": fn["name"], "arguments": args}})
+            out["tool_calls"] = calls
+        return out
 
     def text_of(self, index: int) -> str:
         if self.content is None:
@@ -99,9 +128,7 @@ class ChatMessage(_Request):
 # OpenAI fields without an implementation here: accepted only with these neutral values.
 _NEUTRAL: dict[str, Any] = {
     "logit_bias": lambda v: not v,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
     "suffix": lambda v: not v,
     "modalities": lambda v: v in (None, ["text"]),
@@ -289,9 +316,9 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
-    # accepted with neutral values only
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # accepted with neutral values only
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -441,6 +468,8 @@ class CompletionLogprobs(_Response):
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -464,6 +493,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import json
 import logging
 import math
 import time
@@ -27,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from engine.detokenize import StopMatcher, stop_matcher
 from engine.models.loader import generation_defaults
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams, TokenLogprob
+from engine.sampling import SamplingParams, StructuredOutputs, TokenLogprob
 from engine.structured import GrammarError
 from server.chat_template import ChatTemplate, compile_template, forbidden_kwarg
 from server.engine_client import EngineClient, EngineDeadError, RequestStream, SubRequest
@@ -61,6 +63,8 @@ from server.protocol import (
 )
 from server.settings import ServerSettings
 from server.tokens import TokenText, longest_token
+from server.tools import PARSERS, REASONING_PARSERS, ChatOutput, Delta, check_tools, forced_schema
+from specserve_configs import shipped
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +207,13 @@ class OpenAIServing:
         # Rendering and tokenizing run on these threads; requests beyond them wait without blocking the loop.
         self._preprocess = anyio.CapacityLimiter(settings.preprocess_threads)
         source = settings.chat_template or _model_template(client.tokenizer)
+        if settings.chat_template is None and client.core.loaded.source == "default":
+            # The default model's own template plus tools (identical without them): tool calling works
+            # out of the box.
+            source = shipped("templates", "smollm2-tools.jinja").read_text()
+        self.tool_parser = PARSERS[settings.tool_call_parser]() if settings.tool_call_parser else None
+        self.reasoning_parser = (REASONING_PARSERS[settings.reasoning_parser]()
+                                 if settings.reasoning_parser else None)
         try:
             self.chat_template = compile_template(source) if source is not None else None
         except jinja2.TemplateSyntaxError as e:
@@ -313,7 +324,8 @@ class OpenAIServing:
         return source, kwargs
 
     def render_chat(self, messages: list[ChatMessage], source: str | None, kwargs: dict[str, Any],
-                    add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+                    add_generation_prompt: bool, continue_final_message: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat's prompt tokens (blocking: call through `offload`). Variables the template does not
         read are dropped, as vLLM drops them: clients send e.g. `enable_thinking` to every model."""
         template: ChatTemplate | None = self.chat_template
@@ -324,10 +336,13 @@ class OpenAIServing:
                 raise bad_request(f"the chat template is not valid Jinja: {e}",
                                   param="chat_template") from None
         assert template is not None  # template_request refused the request otherwise
+        if tools and "tools" not in template.variables:
+            raise bad_request("this model's chat template does not render `tools`: start the server with a "
+                              "--chat-template that does, or send tool_choice none", param="tools")
         merged = {**self.default_template_kwargs, **kwargs}
         variables = {k: v for k, v in merged.items() if k in template.variables}
         return self.tokens.render_chat(messages, template, variables, add_generation_prompt,
-                                       continue_final_message, self.settings.chat_template_timeout)
+                                       continue_final_message, self.settings.chat_template_timeout, tools)
 
     @staticmethod
     def structured(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> str | None:
@@ -504,35 +519,54 @@ class OpenAIServing:
         renames = _CHAT_NAMES
         if req.max_completion_tokens is not None:
             renames = {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"}
+        choice = check_tools(req.tools, req.tool_choice)
+        if choice == "auto" and not self.settings.enable_auto_tool_choice:
+            raise bad_request('tool_choice "auto" (the default with `tools`) needs the server started with '
+                              '--enable-auto-tool-choice and --tool-call-parser; or send "required", a named '
+                              'function, or "none"', param="tool_choice")
 
         def preprocess() -> list[SubRequest]:
             structured_param = self.structured(req, params)
+            if choice not in (None, "auto"):
+                if params.structured is not None:
+                    raise bad_request(f"a forced tool call (tool_choice {req.tool_choice!r}) cannot be "
+                                      f"combined with {structured_param}", param="tool_choice")
+                schema = forced_schema(req.tools or [], choice, req.parallel_tool_calls is not False)
+                params.structured = StructuredOutputs(json=json.dumps(schema))
+                structured_param = "tools"
             prompt = self.render_chat(req.messages, source, kwargs, req.add_generation_prompt,
-                                      req.continue_final_message)
+                                      req.continue_final_message, req.tools if choice else None)
             return self.prepare([prompt], params, req.n, renames, fit, structured_param)
 
         subs = await self.offload(preprocess)
         stream = await self.submit(request_id, subs)
+        shape = functools.partial(ChatOutput, choice, self.tool_parser, self.reasoning_parser)
         if req.stream:
-            return EventStreamResponse(self._chat_events(req, stream, model, len(subs)), stream.close)
-        return await self._unless_disconnected(raw, stream, self._chat_full(req, stream, model, len(subs)))
+            return EventStreamResponse(self._chat_events(req, stream, model, len(subs), shape), stream.close)
+        return await self._unless_disconnected(raw, stream,
+                                               self._chat_full(req, stream, model, len(subs), shape))
 
     async def _chat_full(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
-                         num: int) -> Response:
+                         num: int, shape: Callable[[], ChatOutput]) -> Response:
         t0 = time.monotonic()
         choices = await self._collect(stream, num, t0)
-        resp = ChatCompletionResponse(
-            id=stream.request_id, model=model, usage=_usage(choices, req.n, self.spec_metrics),
-            choices=[ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)),
-                                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                     for i, c in enumerate(choices)])
+        out = []
+        for i, c in enumerate(choices):
+            reasoning, content, calls, finish = shape().whole("".join(c.text), c.finish_reason)
+            out.append(ChatChoice(
+                index=i, message=ChatMessageOut(content=content, reasoning_content=reasoning,
+                                                tool_calls=[call.as_openai() for call in calls]),
+                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None, finish_reason=finish,
+                stop_reason=c.stop_reason))
+        resp = ChatCompletionResponse(id=stream.request_id, model=model,
+                                      usage=_usage(choices, req.n, self.spec_metrics), choices=out)
         self._log_done(stream.request_id, choices, t0)
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def _chat_events(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
-                           num: int) -> AsyncIterator[str]:
+                           num: int, shape: Callable[[], ChatOutput]) -> AsyncIterator[str]:
         created = now()
+        shapers = [shape() for _ in range(num)]
 
         def chunk(choice_list: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model,
@@ -540,11 +574,18 @@ class OpenAIServing:
 
         def delta(index: int, out: RequestOutput, c: _Choice) -> ChatChunkChoice | None:
             logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
-            if not (out.new_text or logprobs or out.finished):
-                return None  # text held back (a possible stop string): nothing to say yet
+            part = shapers[index].feed(out.new_text)
+            if out.finished:
+                end = shapers[index].finish(c.finish_reason)
+                part = Delta(part.reasoning + end.reasoning, part.content + end.content, end.calls,
+                             end.finish_reason)
+            if not (part.content or part.reasoning or logprobs or out.finished):
+                return None  # text held back (a stop string, a tool call, a tag): nothing to say yet
+            calls = [{"index": j, **call.as_openai()} for j, call in enumerate(part.calls or [])] or None
             return ChatChunkChoice(
-                index=index, delta=DeltaMessage(content=out.new_text or None), logprobs=logprobs,
-                finish_reason=c.finish_reason if out.finished else None,
+                index=index, delta=DeltaMessage(content=part.content or None,
+                                                reasoning_content=part.reasoning or None, tool_calls=calls),
+                logprobs=logprobs, finish_reason=part.finish_reason if out.finished else None,
                 stop_reason=c.stop_reason if out.finished else None)
 
         opening = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -90,6 +90,15 @@ class ServerSettings(BaseModel):
                           "request's `chat_template_kwargs` override them")
     chat_template_timeout: float = Field(
         5.0, gt=0, description="seconds a chat template may take to render; past them the request gets 400")
+    enable_auto_tool_choice: bool = Field(
+        False, description="let the model decide to call tools (`tool_choice` auto, the default when a "
+                           "request has `tools`); needs --tool-call-parser")
+    tool_call_parser: str | None = Field(
+        None, description="how tool calls are read out of the model's text: hermes (Qwen2.5/Qwen3, the "
+                          "default model's shipped template), llama3_json, mistral")
+    reasoning_parser: str | None = Field(
+        None, description="put a thinking model's `<think>...</think>` in `reasoning_content`: qwen3, "
+                          "deepseek_r1")
     max_prompt_chars: int | None = Field(
         None, ge=1, description="longest prompt (or chat) in characters, refused with 400 before tokenizing "
                                 "(default: max_model_len x the longest vocabulary entry, which no prompt "
@@ -174,6 +183,31 @@ class ServerSettings(BaseModel):
 
         select_attention(v)  # type: ignore[arg-type]
         return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_parser(cls, v: str | None) -> str | None:
+        from server.tools import PARSERS
+
+        if v is not None and v not in PARSERS:
+            raise ValueError(f"unknown tool call parser {v!r} (known: {', '.join(PARSERS)})")
+        return v
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _reasoning_parser(cls, v: str | None) -> str | None:
+        from server.tools import REASONING_PARSERS
+
+        if v is not None and v not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {v!r} (known: {', '.join(REASONING_PARSERS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _auto_tools(self) -> ServerSettings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                             "(hermes, llama3_json, mistral)")
+        return self
 
     @field_validator("chat_template")
     @classmethod

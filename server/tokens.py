@@ -104,19 +104,18 @@ class TokenText:
         return [self.tokenizer.decode(list(p), skip_special_tokens=skip_special_tokens) for p in prompts]
 
     def render_chat(self, messages: list[ChatMessage], template: ChatTemplate, variables: dict[str, Any],
-                    add_generation_prompt: bool, continue_final_message: bool, timeout: float) -> list[int]:
+                    add_generation_prompt: bool, continue_final_message: bool, timeout: float,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render the chat template (bounded: `timeout` seconds, `max_chars`) and tokenize; the template
-        adds any special tokens. `variables` are the template kwargs, already checked."""
-        conversation = []
-        for i, m in enumerate(messages):
-            role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
-            conversation.append({"role": role, "content": m.text_of(i)})
+        adds any special tokens. `variables` are the template kwargs, already checked; `tools` the
+        request's tools when the model may call them."""
+        conversation = [m.template_fields(i) for i, m in enumerate(messages)]
         if continue_final_message:
             if conversation[-1]["role"] != "assistant":
                 raise bad_request("`continue_final_message` needs the last message to be the assistant's",
                                   param="continue_final_message")
             conversation[-1]["content"] += _CONTINUE_MARK
-        context = {**self.special_tokens, **variables, "messages": conversation, "tools": None,
+        context = {**self.special_tokens, **variables, "messages": conversation, "tools": tools or None,
                    "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
             text = template.render(context, timeout, self.max_chars)
