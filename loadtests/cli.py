@@ -35,7 +35,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add `bench` and its subcommands to a `specserve` subparsers object."""
     bench = sub.add_parser("bench", help="benchmarks: serve (online load), offline (engine A/B), sweep",
                            description=__doc__, formatter_class=FORMATTER)
-    cmds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,offline,sweep}")
+    cmds = bench.add_subparsers(dest="bench_command", required=True,
+                                metavar="{serve,offline,sweep,structured}")
 
     from loadtests import offline, serve, sweep
 
@@ -101,6 +102,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--output-dir", default=None, help="write one JSON per mode and summary.md here")
     p.set_defaults(bench_func=offline.run)
+
+    from loadtests import structured
+
+    p = cmds.add_parser("structured", help="structured outputs: mask cost, and ngram on JSON extraction",
+                        description=structured.__doc__, formatter_class=FORMATTER)
+    structured.add_arguments(p)
+    p.set_defaults(bench_func=structured.run)
 
     p = cmds.add_parser("sweep", help="several servers on loopback, same load interleaved, ratios",
                         description=sweep.__doc__, formatter_class=FORMATTER)

@@ -82,6 +82,9 @@ class ChatMessage(_Request):
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": self.text_of(index)}
         if self.role == "tool":
+            if not self.tool_call_id:
+                raise bad_request(f"messages[{index}]: a tool message needs the tool_call_id it answers",
+                                  param=f"messages.{index}.tool_call_id")
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             if self.role != "assistant":
