@@ -10,6 +10,7 @@ import numpy as np
 
 from engine.attention.reference import paged_attention_reference
 from engine.attention.types import build_metadata
+from engine.cpu.bitmask import apply_bitmask
 from engine.cpu.host import host_view
 from engine.cpu.layers import CpuLayerStack
 from engine.faults import FaultInjector, InjectedFault
@@ -22,19 +23,15 @@ from engine.spec.rejection import RejectionConfig, verify_sampled
 from engine.spec.verify import verify_greedy
 
 
-def apply_grammar_masks(host: np.ndarray, so: SchedulerOutput, counts: list[int]) -> np.ndarray:
-    """A copy of the logits [N, vocab] with every token a row's grammar forbids at -inf (structured outputs:
-    the sampler, argmax verification and the rejection rules all read the masked rows)."""
-    out = np.array(host)
-    vocab = out.shape[1]
+def apply_grammar_masks(host: np.ndarray, so: SchedulerOutput, counts: list[int]) -> None:
+    """Every token a row's grammar forbids to -inf, in place in the step's logits (structured outputs: the
+    sampler, argmax verification and the rejection rules all read the masked rows). In place because the
+    logits are this step's own buffer, read by nothing else, and copying them costs more than the masks."""
     row = 0
     for sr, n in zip(so.scheduled, counts, strict=True):
-        mask = sr.grammar_mask
-        if mask is not None and n:
-            allowed = np.unpackbits(mask[:n].view(np.uint8), axis=1, bitorder="little", count=vocab)
-            out[row : row + n][allowed == 0] = -np.inf
+        if sr.grammar_mask is not None and n:
+            apply_bitmask(host[row : row + n], sr.grammar_mask[:n])
         row += n
-    return out
 
 
 class ModelRunner:
@@ -102,8 +99,7 @@ class ModelRunner:
         host = host_view(mx.contiguous(logits)) if logits.shape[0] else np.zeros(logits.shape, np.float32)
         finite = np.isfinite(host).all(axis=-1).tolist()
         if any(sr.grammar_mask is not None for sr in so.scheduled):
-            host = apply_grammar_masks(host, so, counts)
-            logits = mx.array(host)
+            apply_grammar_masks(host, so, counts)
 
         out = RunnerOutput()
         # Rows by how they are decided: argmax-only verification (greedy, nothing position-dependent) in

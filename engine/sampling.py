@@ -49,6 +49,9 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # vLLM's: JSON without optional whitespace. More of the output is then fixed by the schema alone (keys,
+    # separators), and those tokens are drafted for free under speculation.
+    disable_any_whitespace: bool = False
 
     def validate(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]

@@ -42,10 +42,13 @@ def grammar_source(spec: StructuredOutputs) -> str:
     """The llguidance grammar of `spec` (raises GrammarError for text llguidance cannot read)."""
     import llguidance
 
-    if spec.json is not None:
-        fmt, text = "json_schema", spec.json
-    elif spec.json_object:
-        fmt, text = "json_schema", '{"type": "object"}'
+    if spec.json is not None or spec.json_object:
+        fmt, text = "json_schema", spec.json if spec.json is not None else '{"type": "object"}'
+        if spec.disable_any_whitespace:
+            schema = json.loads(text)
+            if isinstance(schema, dict):  # llguidance's own option, beside the schema's keywords
+                schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+                text = json.dumps(schema)
     elif spec.regex is not None:
         fmt, text = "regex", spec.regex
     elif spec.choice is not None:
@@ -139,6 +142,9 @@ class GrammarCompiler:
 
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                                eos_token=self._eos)
+                from engine.cpu import bitmask
+
+                bitmask.prepare()  # the mask kernel's one-off build happens here, not in an engine step
             return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:

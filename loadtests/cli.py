@@ -201,6 +201,8 @@ def request_options(args: argparse.Namespace) -> RequestOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run the `bench` subcommand `args` were parsed for."""
+    if not hasattr(args, "dataset_name"):  # `structured` brings its own prompts
+        return int(args.bench_func(args) or 0)
     if args.dataset_name is None:
         # A temperature sweep replaces the datasets' temperatures: its default leaves them to the run.
         default = "copy,chat" if getattr(args, "temperatures", None) else args.dataset_default

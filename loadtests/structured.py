@@ -5,8 +5,9 @@ engine in one process, variants interleaved round by round (ratios within a roun
   (`ignore_eos`, so both decode as many), 1 and `--concurrency` requests at a time: constrained / free
   tokens/s.
 - extraction: invoices (generated, seeded) whose fields the schema asks for, so values are copied from the
-  prompt; constrained greedy decoding plain and with ngram: ngram / plain tokens/s, and the two outputs
-  compared token for token.
+  prompt; constrained greedy decoding plain and with ngram, with JSON's optional whitespace and without it
+  (`disable_any_whitespace`: keys and separators are then forced, drafted for free): ngram / plain
+  tokens/s, and the outputs compared token for token.
 
     specserve bench structured --rounds 3 --output results/structured/structured.json
 """
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams, StructuredOutputs
 
     common = dict(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, show_progress=False)
-    plain = LLM(args.model, **common)
+    plain = LLM(args.model, dtype=args.dtype, **common)
     ngram = LLM(loaded=plain.core.loaded, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
         **common)
@@ -83,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     masked = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             structured=StructuredOutputs(json=json.dumps(PROFILE)))
-    extract = SamplingParams(max_tokens=args.extract_tokens, temperature=0.0,
-                             structured=StructuredOutputs(json=json.dumps(INVOICE)))
+    extract = {compact: SamplingParams(
+        max_tokens=args.extract_tokens, temperature=0.0,
+        structured=StructuredOutputs(json=json.dumps(INVOICE), disable_any_whitespace=compact))
+        for compact in (False, True)}
     levels = [1, args.concurrency]
     rounds: list[dict[str, Any]] = []
     _measure(plain, chat[:2], masked, 2)  # warm-up: grammar compiled, kernels built
@@ -95,24 +98,30 @@ def run(args: argparse.Namespace) -> int:
             for name, params in pair:
                 row[f"{name}@{c}"] = _measure(plain, chat, params, c)["tokens_per_s"]
         pair2 = [("plain", plain), ("ngram", ngram)] if r % 2 == 0 else [("ngram", ngram), ("plain", plain)]
-        outs: dict[str, Any] = {}
-        for name, llm in pair2:
-            outs[name] = _measure(llm, docs, extract, 1)
-            row[f"extract_{name}"] = outs[name]["tokens_per_s"]
-        row["extract_same_tokens"] = outs["plain"]["token_ids"] == outs["ngram"]["token_ids"]
+        same = True
+        for compact, suffix in ((False, ""), (True, "_compact")):
+            outs: dict[str, Any] = {}
+            for name, llm in pair2:
+                outs[name] = _measure(llm, docs, extract[compact], 1)
+                row[f"extract_{name}{suffix}"] = outs[name]["tokens_per_s"]
+            same = same and outs["plain"]["token_ids"] == outs["ngram"]["token_ids"]
+        row["extract_same_tokens"] = same
         rounds.append(row)
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k not in ("round",
                                                                                    "extract_same_tokens")}
     ratios = {f"mask_cost@{c}": med[f"json@{c}"] / med[f"free@{c}"] for c in levels}
     ratios["extract_ngram_vs_plain"] = med["extract_ngram"] / med["extract_plain"]
+    ratios["extract_compact_ngram_vs_plain"] = med["extract_ngram_compact"] / med["extract_plain_compact"]
     lines = ["| measure | tokens/s (median of rounds) | ratio |", "|---|---|---|"]
     for c in levels:
         lines.append(f"| free, {c} in flight | {med[f'free@{c}']:.1f} | |")
         lines.append(f"| JSON schema, {c} in flight | {med[f'json@{c}']:.1f} | "
                      f"{ratios[f'mask_cost@{c}']:.3f}x |")
-    lines.append(f"| extraction, constrained plain | {med['extract_plain']:.1f} | |")
-    lines.append(f"| extraction, constrained + ngram K={args.k} | {med['extract_ngram']:.1f} | "
-                 f"{ratios['extract_ngram_vs_plain']:.3f}x |")
+    for suffix, what in (("", ""), ("_compact", ", compact JSON (disable_any_whitespace)")):
+        lines.append(f"| extraction{what}, constrained plain | {med['extract_plain' + suffix]:.1f} | |")
+        ratio = ratios["extract_compact_ngram_vs_plain" if suffix else "extract_ngram_vs_plain"]
+        lines.append(f"| extraction{what}, constrained + ngram K={args.k} | "
+                     f"{med['extract_ngram' + suffix]:.1f} | {ratio:.3f}x |")
     table = "\n".join(lines)
     print(table)
     same = all(r["extract_same_tokens"] for r in rounds)
@@ -129,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: the default model)")
+    p.add_argument("--dtype", default="auto",
+                   help="weights: auto (as stored: 4-bit for the default model) or float32 (default: auto)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per variant (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="the loaded level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per mask-cost request (default: 64)")

@@ -8,6 +8,7 @@ their neutral value. Cross-field rules live in `check()` and raise `APIError` na
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -243,8 +244,12 @@ class _SamplingRequest(_Request):
             elif kind != "text":
                 raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, "
                                   f"json_schema)", param="response_format.type")
-        if self.structured_outputs is not None:
-            found.append(("structured_outputs", _structured_from(self.structured_outputs)))
+        compact = False
+        body = self.structured_outputs
+        if isinstance(body, dict) and set(body) == {"disable_any_whitespace"}:
+            compact = body["disable_any_whitespace"] is True  # a modifier of the format sent elsewhere
+        elif body is not None:
+            found.append(("structured_outputs", _structured_from(body)))
         guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
                   "grammar": self.guided_grammar}
         for key, value in guided.items():
@@ -259,6 +264,8 @@ class _SamplingRequest(_Request):
         if not found:
             return None, None
         param, spec = found[0]
+        if compact:
+            spec = dataclasses.replace(spec, disable_any_whitespace=True)
         try:
             spec.validate()
         except ValueError as e:
@@ -286,7 +293,7 @@ def _schema_text(schema: Any, param: str) -> str:
     return json.dumps(schema)
 
 
-_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
 
 
 def _structured_from(body: Any, param: str = "structured_outputs") -> StructuredOutputs:
@@ -296,7 +303,11 @@ def _structured_from(body: Any, param: str = "structured_outputs") -> Structured
     if unknown:
         raise bad_request(f"structured_outputs.{unknown[0]} is not supported (this server takes "
                           f"{', '.join(_STRUCTURED_KEYS)})", param=f"structured_outputs.{unknown[0]}")
-    given = {k: v for k, v in body.items() if v is not None and v is not False}
+    compact = body.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise bad_request(f"{param}: `disable_any_whitespace` must be true or false", param=param)
+    given = {k: v for k, v in body.items()
+             if v is not None and v is not False and k != "disable_any_whitespace"}
     json_text = _schema_text(given["json"], param) if "json" in given else None
     for key in ("regex", "grammar"):
         if key in given and not isinstance(given[key], str):
@@ -306,7 +317,8 @@ def _structured_from(body: Any, param: str = "structured_outputs") -> Structured
         raise bad_request(f"{param}: `choice` must be a list of strings", param=param)
     return StructuredOutputs(json=json_text, json_object=given.get("json_object") is True,
                              regex=given.get("regex"), grammar=given.get("grammar"),
-                             choice=tuple(choice) if choice is not None else None)
+                             choice=tuple(choice) if choice is not None else None,
+                             disable_any_whitespace=compact)
 
 
 class ChatCompletionRequest(_SamplingRequest):

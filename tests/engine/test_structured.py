@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from engine.cpu.bitmask import apply_bitmask
 from engine.request import Request
 from engine.runner import apply_grammar_masks
 from engine.sampling import SamplingParams, StructuredOutputs
@@ -46,19 +47,26 @@ def test_masks_follow_drafts_and_leave_the_state_alone() -> None:
     assert not grammar.matcher().accept(wrong)
 
 
-def test_apply_grammar_masks_sets_forbidden_tokens_to_minus_inf() -> None:
+@pytest.mark.parametrize("use_c", [True, False], ids=["C", "NumPy"])
+def test_grammar_masks_set_forbidden_tokens_to_minus_inf_in_place(use_c: bool) -> None:
     vocab = 70
     host = np.arange(3 * vocab, dtype=np.float32).reshape(3, vocab)
+    before = host.copy()
     mask = np.zeros((2, 3), dtype=np.int32)  # 3 words of 32 bits
     mask[0, 0] = 1 << 5  # row 0 allows token 5
     mask[1, 2] = 1 << 1  # row 1 allows token 65
+    mask[1, 0] = -1  # ... and tokens 0-31 (a word of all ones)
+    apply_bitmask(host[:2], mask, use_c=use_c)
+    assert np.isfinite(host[0]).sum() == 1 and host[0, 5] == before[0, 5]
+    assert np.isfinite(host[1]).sum() == 33 and host[1, 65] == before[1, 65]
+    assert np.array_equal(host[1, :32], before[1, :32]) and np.array_equal(host[2], before[2])
+    # The runner applies each constrained request's mask to its own rows only.
+    host = before.copy()
     params = SamplingParams()
     sr = ScheduledRequest("a", [1, 2], 0, [0], 2, [9], params, [1], [], [2], grammar_mask=mask)
     plain = ScheduledRequest("b", [1], 0, [1], 1, [], params, [1], [], [2])
-    out = apply_grammar_masks(host, SchedulerOutput([sr, plain]), [2, 1])
-    assert np.isfinite(out[0]).sum() == 1 and out[0, 5] == host[0, 5]
-    assert np.isfinite(out[1]).sum() == 1 and out[1, 65] == host[1, 65]
-    assert np.array_equal(out[2], host[2]) and np.isfinite(host).all()  # others untouched, input kept
+    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [1, 2])
+    assert np.array_equal(host[0], before[0]) and np.isfinite(host[1]).sum() == 1
 
 
 def test_forced_tokens_are_drafted_and_rejected_drafts_cut() -> None:
