@@ -15,6 +15,10 @@ void apply_bitmask(float *logits, long stride, const uint32_t *masks, int words,
             if (bits == 0xFFFFFFFFu) continue;
             int base = w * 32;
             int end = vocab - base < 32 ? vocab - base : 32;
+            if (bits == 0) {  /* nothing allowed here: a plain store loop, which the compiler vectorizes */
+                for (int b = 0; b < end; b++) row[base + b] = -INFINITY;
+                continue;
+            }
             for (int b = 0; b < end; b++)
                 if (!((bits >> b) & 1u)) row[base + b] = -INFINITY;
         }

@@ -15,7 +15,7 @@ from engine.cpu.build import build_library
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("bitmask.c")
-_FLAGS = ["-O2", "-fPIC", "-shared"]  # no CPU-specific flags: it runs on every platform
+_FLAGS = ["-O3", "-fPIC", "-shared"]  # no CPU-specific flags: it runs on every platform
 
 
 @functools.cache

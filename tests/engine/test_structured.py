@@ -124,3 +124,20 @@ def test_aborted_and_invalid_requests_leave_nothing_behind() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         core.add_request("z", prompt, SamplingParams(structured=StructuredOutputs(regex="a", choice=("b",))))
     assert core.loaded is default_model()
+
+
+def test_preempted_constrained_requests_resume_where_they_were() -> None:
+    from engine.kv.cache import PagedKVCache
+    from engine.models import adapter
+
+    loaded = default_model()
+    per_block = PagedKVCache.bytes_per_block(adapter.kv_layout(loaded.model).shapes, 16, loaded.dtype)
+    roomy = make_llm(max_model_len=128)
+    tight = make_llm(max_model_len=128, kv_cache_memory=str(8 * per_block))
+    prompts = chat_prompts(roomy, [f"Describe {n} as JSON." for n in ("Alice", "Bob", "Carol", "Dan")])
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured=StructuredOutputs(json=SCHEMA))
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    got = tight.generate(prompts, params)
+    assert tight.core.scheduler.num_preemptions > 0  # the matcher outlived its request's KV
+    assert [o.token_ids for o in got] == want
+    assert not tight.core.structured.matchers
