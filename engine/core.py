@@ -217,11 +217,8 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return [], None
-        so.grammar_pending = self.structured.begin_masks(so)
-        try:
-            res = self._execute(so)
-        finally:
-            so.wait_for_masks()  # the matchers are the engine thread's again before the update
+        self.structured.attach_masks(so)
+        res = self._execute(so)
         spec = self.speculation
         spec_stats = spec.observe(so, res, self.scheduler.requests) if spec is not None else None
         updates = self.scheduler.update(so, res)
@@ -272,7 +269,6 @@ class EngineCore:
             self._failed_steps = 0
             return res
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine thread
-            so.wait_for_masks()  # the isolated re-runs read the masks
             if len(so.scheduled) == 1:
                 logger.exception("step failed; failing its request %s", so.scheduled[0].request_id)
                 res, raised = _failed(so, [_FORWARD_FAILED]), 1

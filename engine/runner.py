@@ -98,7 +98,6 @@ class ModelRunner:
         # in place, where MLX's CPU ops cost ~0.2 ms each per step.
         host = host_view(mx.contiguous(logits)) if logits.shape[0] else np.zeros(logits.shape, np.float32)
         finite = np.isfinite(host).all(axis=-1).tolist()
-        so.wait_for_masks()
         if any(sr.grammar_mask is not None for sr in so.scheduled):
             apply_grammar_masks(host, so, counts)
 

@@ -19,8 +19,6 @@ from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     import numpy as np
 
 
@@ -46,13 +44,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
-    # Structured outputs: the grammar masks being computed beside the forward pass (a Future); the runner
-    # waits on it before it reads `grammar_mask`.
-    grammar_pending: Future[None] | None = None
-
-    def wait_for_masks(self) -> None:
-        if self.grammar_pending is not None:
-            self.grammar_pending.result()
 
     @property
     def is_empty(self) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -194,17 +193,6 @@ class StructuredOutputManager:
         self.compiler = compiler
         self.matchers: dict[str, GrammarMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made on first use
-        self._beside: ThreadPoolExecutor | None = None  # runs attach_masks while the forward pass runs
-
-    def begin_masks(self, so: SchedulerOutput) -> Future[None] | None:
-        """Start `attach_masks(so)` on a worker thread, beside the forward pass (the C layers and
-        llguidance both release the GIL): the masks are needed only once the logits exist. None when no
-        scheduled request is constrained."""
-        if not any(sr.request_id in self.matchers and sr.num_logits for sr in so.scheduled):
-            return None
-        if self._beside is None:
-            self._beside = ThreadPoolExecutor(1, thread_name_prefix="specserve-grammar")
-        return self._beside.submit(self.attach_masks, so)
 
     def add(self, request_id: str, compiled: CompiledGrammar) -> None:
         self.matchers[request_id] = compiled.matcher()
