@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -184,22 +184,15 @@ class ServerSettings(BaseModel):
         select_attention(v)  # type: ignore[arg-type]
         return v
 
-    @field_validator("tool_call_parser")
+    @field_validator("tool_call_parser", "reasoning_parser")
     @classmethod
-    def _tool_parser(cls, v: str | None) -> str | None:
-        from server.tools import PARSERS
+    def _parser(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from server.tools import PARSERS, REASONING_PARSERS
 
-        if v is not None and v not in PARSERS:
-            raise ValueError(f"unknown tool call parser {v!r} (known: {', '.join(PARSERS)})")
-        return v
-
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _reasoning_parser(cls, v: str | None) -> str | None:
-        from server.tools import REASONING_PARSERS
-
-        if v is not None and v not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {v!r} (known: {', '.join(REASONING_PARSERS)})")
+        known = PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if v is not None and v not in known:
+            what = "tool call" if info.field_name == "tool_call_parser" else "reasoning"
+            raise ValueError(f"unknown {what} parser {v!r} (known: {', '.join(known)})")
         return v
 
     @model_validator(mode="after")
