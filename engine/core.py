@@ -19,7 +19,6 @@ from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache, head_major_default
 from engine.models import adapter
-from engine.models.adapter import describe_layout
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -73,7 +72,8 @@ class EngineCore:
         self.kv_cache = PagedKVCache(layout.shapes, num_blocks, bs, self.loaded.dtype,
                                      head_major=head_major_default(config.kv_layout))
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s; %s)", num_blocks, bs,
-                    num_blocks * bs, self.kv_cache.nbytes / 2**20, self.loaded.dtype, describe_layout(layout))
+                    num_blocks * bs, self.kv_cache.nbytes / 2**20, self.loaded.dtype,
+                    adapter.describe_layout(layout))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
@@ -181,7 +181,7 @@ class EngineCore:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params, stop_matcher)
         self.scheduler.add_request(req)
         self._detok[request_id] = detok
-        if params.structured is not None and grammar is not None:
+        if grammar is not None:
             self.structured.add(request_id, grammar)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
