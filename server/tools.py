@@ -128,12 +128,7 @@ class ToolParser(ABC):
         """How much of `text` is content for certain: up to the start marker, or up to a tail that could
         begin it."""
         at = text.find(self.start)
-        if at >= 0:
-            return at
-        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return at if at >= 0 else _safe_end(text, self.start)
 
 
 class HermesParser(ToolParser):

@@ -18,6 +18,12 @@ import mlx.core as mx
 KVShape = tuple[int, int]  # (num_kv_heads, head_dim) of one layer's KV
 
 
+def uniform_shape(shapes: list[KVShape | None]) -> KVShape | None:
+    """The one (KV heads, head size) of every layer, None where layers differ or some store none."""
+    first = shapes[0] if shapes else None
+    return first if all(s == first for s in shapes) else None
+
+
 def head_major_default(layout: str = "auto") -> bool:
     """`kv_layout`: `head` or `block` as asked; `auto` is head-major where it pays (the CPU): the Metal
     kernels read block-major, and a CUDA device keeps the layout its numbers were taken with."""
@@ -59,9 +65,7 @@ class PagedKVCache:
         return sum(a.nbytes for a in self.k + self.v if a is not None)
 
     def uniform_shape(self) -> KVShape | None:
-        """The one (KV heads, head size) of every layer, None where layers differ or some store none."""
-        first = self.shapes[0] if self.shapes else None
-        return first if all(s == first for s in self.shapes) else None
+        return uniform_shape(self.shapes)
 
     def _tensors(self, layer: int) -> tuple[mx.array, mx.array]:
         k, v = self.k[layer], self.v[layer]

@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from engine.attention.reference import LOG2E, paged_attention_reference
 from engine.attention.types import AttentionMetadata
-from engine.kv.cache import KVShape, PagedKVCache
+from engine.kv.cache import KVShape, PagedKVCache, uniform_shape
 
 _PATCHED_ATTR = "_specserve_paged"
 
@@ -126,10 +126,6 @@ class KVLayout:
     sources: list[int]
     windows: list[int | None]
 
-    def uniform_shape(self) -> KVShape | None:
-        first = self.shapes[0] if self.shapes else None
-        return first if all(s == first for s in self.shapes) else None
-
 
 def _layer_kv_shape(model: nn.Module, attn: nn.Module) -> KVShape:
     args = model.args
@@ -193,7 +189,7 @@ def layer_windows(model: nn.Module) -> list[int | None]:
 def kv_shape(model: nn.Module) -> KVShape:
     """(num_kv_heads, head_dim), for code that needs one shape across layers (the C layer stack, trained
     assistants): raises ValueError for a model whose layers differ or share KV."""
-    shape = kv_layout(model).uniform_shape()
+    shape = uniform_shape(kv_layout(model).shapes)
     if shape is None:
         raise ValueError("the model's layers have different KV shapes or share KV")
     return shape
