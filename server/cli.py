@@ -73,6 +73,11 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-stop-token-ids", "max_stop_token_ids", {"type": int}),
     ("--request-timeout", "request_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--shutdown-timeout", "shutdown_timeout", {"type": float, "metavar": "SECONDS"}),
+    ("--replicas", "replicas", {"type": int}),
+    ("--max-replicas", "max_replicas", {"type": int}),
+    ("--ray-address", "ray_address", {"metavar": "ADDRESS"}),
+    ("--replica-cpus", "replica_cpus", {"type": float}),
+    ("--replica-routing", "replica_routing", {"choices": ["prefix", "power-of-two"]}),
     ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error", "critical"]}),
     ("--uvicorn-log-level", "uvicorn_log_level",
      {"choices": ["critical", "error", "warning", "info", "debug", "trace"]}),
@@ -289,6 +294,8 @@ def serve(settings: ServerSettings) -> int:
     from server.engine_client import create_engine_client
 
     _setup_logging(settings.log_level)
+    if settings.replicas > 1 or settings.max_replicas is not None:
+        return serve_replicas(settings)
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as e:
@@ -382,6 +389,63 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+def serve_replicas(settings: ServerSettings) -> int:
+    """Engine replicas behind Ray Serve's HTTP proxy, on a Ray cluster this starts (or joins)."""
+    try:
+        import ray
+        from ray import serve as ray_serve
+
+        from server.replicas import build
+    except ImportError as e:
+        logger.error("--replicas needs Ray Serve: pip install 'specserve[ray]' (%s)", e)
+        return 2
+    joined = bool(settings.ray_address or os.environ.get("RAY_ADDRESS"))
+    if not joined:  # a joined cluster's Serve proxy may hold the port already
+        try:
+            _bind(settings.host, settings.port).close()  # fail before starting a cluster, not after
+        except OSError as e:
+            logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, e.strerror or e)
+            return 1
+    ray.init(address=settings.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+             configure_logging=False)
+    stop = threading.Event()
+    started = False
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if not started:  # still deploying (serve.run waits for the replicas): stop waiting
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        ray_serve.start(http_options={"host": settings.host, "port": settings.port})
+        ray_serve.run(build(settings, settings.replicas, settings.max_replicas, settings.replica_routing),
+                      name="specserve", route_prefix="/")
+        started = True
+        logger.info("serving %d replica(s) on http://%s:%d (OpenAI API at /v1)", settings.replicas,
+                    settings.host, settings.port)
+        while not stop.wait(1.0):
+            pass
+    except RuntimeError as e:  # a replica that cannot start (bad model, bad settings) fails the deploy
+        logger.error("cannot start: %s", e)
+        return 2
+    except KeyboardInterrupt:
+        logger.info("stopping before the replicas were up")
+    finally:
+        # On a cluster of its own everything stops; on a shared one only this application does (Serve
+        # and its HTTP proxy stay up for the others, on the address they were started with). Bounded:
+        # a SIGTERM sent to the whole process group (a supervisor's stop) has killed the local cluster's
+        # processes too, and Serve would wait for them forever.
+        stopper = threading.Thread(target=(lambda: ray_serve.delete("specserve")) if joined else
+                                   ray_serve.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(settings.shutdown_timeout + 10)
+        ray.shutdown()  # a local cluster's processes end with it
+    logger.info("stopped")
+    return 0
 
 
 def prepare(model: str | None, dtype: str, revision: str | None, quantization: str | None = None,

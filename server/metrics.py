@@ -20,9 +20,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling import TEMPERATURE_BUCKETS, temperature_bucket
 from engine.stats import FinishedRequestStats, IterationStats, SpecDecodingStats
@@ -345,3 +347,22 @@ def format_spec_line(window: LogWindow) -> str | None:
             f"Drafted throughput: {spec.num_draft_tokens / secs:.2f} tokens/s, "
             f"Accepted: {spec.num_accepted_tokens} tokens, Drafted: {spec.num_draft_tokens} tokens, "
             f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%")
+
+
+def merge_expositions(texts: dict[str, bytes]) -> bytes:
+    """One Prometheus exposition from several replicas' expositions, each sample labelled `replica`."""
+    families: dict[str, Any] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text.decode()):
+            labelled = [s._replace(labels={**s.labels, "replica": replica}) for s in fam.samples]
+            if fam.name in families:
+                families[fam.name].samples.extend(labelled)
+            else:
+                fam.samples = labelled
+                families[fam.name] = fam
+
+    class _Collected:
+        def collect(self) -> list[Any]:
+            return list(families.values())
+
+    return generate_latest(_Collected())  # type: ignore[arg-type]

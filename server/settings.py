@@ -130,6 +130,21 @@ class ServerSettings(BaseModel):
         3.0, ge=0, description="after SIGTERM/Ctrl-C, seconds running requests get to finish before they "
                                "are aborted")
 
+    # -- replicas (Ray Serve; server/replicas.py) ------------------------------------------------
+    replicas: int = Field(
+        1, ge=1, description="engine replicas behind Ray Serve's HTTP proxy (above 1: starts or joins a Ray "
+                             "cluster; needs the `ray` extra)")
+    max_replicas: int | None = Field(
+        None, ge=1, description="autoscale between --replicas and this many when requests wait for a slot")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (`auto`, host:port; default: RAY_ADDRESS, else a local one)")
+    replica_cpus: float | None = Field(
+        None, gt=0, description="Ray CPUs each replica reserves, and so its compute threads (default: this "
+                                "machine's cores / --max-replicas, or / --replicas)")
+    replica_routing: Literal["prefix", "power-of-two"] = Field(
+        "prefix", description="how requests pick a replica: the one that saw the longest prefix of the "
+                              "conversation (else the least loaded), or Serve's default")
+
     # Test-only (engine/faults.py; no CLI flag): fault kind -> trigger token id.
     fault_injection: dict[str, int] | None = Field(None, description="test-only fault injection")
 
@@ -200,6 +215,8 @@ class ServerSettings(BaseModel):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                              "(hermes, llama3_json, mistral)")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"--max-replicas {self.max_replicas} is below --replicas {self.replicas}")
         return self
 
     @field_validator("chat_template")
