@@ -110,6 +110,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     structured.add_arguments(p)
     p.set_defaults(bench_func=structured.run)
 
+    from loadtests import replicas
+
+    p = cmds.add_parser("replicas", help="Ray Serve replicas vs one engine: throughput, multi-turn hits",
+                        description=replicas.__doc__, formatter_class=FORMATTER)
+    replicas.add_arguments(p)
+    p.set_defaults(bench_func=replicas.run)
+
+    from loadtests import scale_sim
+
+    p = cmds.add_parser("scale-sim", help="capacity planning: users x replicas, simulated from a step trace",
+                        description=scale_sim.__doc__, formatter_class=FORMATTER)
+    scale_sim.add_arguments(p)
+    p.set_defaults(bench_func=scale_sim.run)
+
     p = cmds.add_parser("sweep", help="several servers on loopback, same load interleaved, ratios",
                         description=sweep.__doc__, formatter_class=FORMATTER)
     _mode_arguments(p)
