@@ -1,4 +1,4 @@
-"""`specserve bench {serve,offline,sweep}`: the command line of the benchmark harness.
+"""`specserve bench {serve,offline,sweep,structured,replicas,scale-sim}`: the benchmark command line.
 
     # online load against any OpenAI-compatible server (specserve, vllm serve, mlx_lm.server, ...)
     specserve bench serve --base-url http://127.0.0.1:8000 --dataset-name copy --max-concurrency 8 \\
@@ -13,6 +13,9 @@
     specserve bench sweep --modes off,ngram --temperatures 0,0.4,0.8,1.0 --max-concurrency 8
     # an operator's mix (half extraction at 0.1, half creative at 1.0), P50 / P99 per class
     specserve bench sweep --modes off,ngram --dataset-name extraction-creative --max-concurrency 8
+    # one engine against Ray Serve replicas; users x replicas simulated from a step trace
+    specserve bench replicas --rounds 3 --output-dir results/replicas
+    specserve bench scale-sim --trace STEPS.jsonl --users 10,100,1000
 
 Modes are "off" and the example configs in configs/*.yaml, named after the file (see loadtests/modes.py).
 Only `offline` imports the engine, and only when it runs.
@@ -33,10 +36,11 @@ FORMATTER = argparse.RawDescriptionHelpFormatter
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add `bench` and its subcommands to a `specserve` subparsers object."""
-    bench = sub.add_parser("bench", help="benchmarks: serve (online load), offline (engine A/B), sweep",
+    bench = sub.add_parser("bench", help="benchmarks: serve (online load), offline (engine A/B), sweep, "
+                                         "structured, replicas, scale-sim",
                            description=__doc__, formatter_class=FORMATTER)
     cmds = bench.add_subparsers(dest="bench_command", required=True,
-                                metavar="{serve,offline,sweep,structured}")
+                                metavar="{serve,offline,sweep,structured,replicas,scale-sim}")
 
     from loadtests import offline, serve, sweep
 
@@ -103,26 +107,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="write one JSON per mode and summary.md here")
     p.set_defaults(bench_func=offline.run)
 
-    from loadtests import structured
+    from loadtests import replicas, scale_sim, structured
 
-    p = cmds.add_parser("structured", help="structured outputs: mask cost, and ngram on JSON extraction",
-                        description=structured.__doc__, formatter_class=FORMATTER)
-    structured.add_arguments(p)
-    p.set_defaults(bench_func=structured.run)
-
-    from loadtests import replicas
-
-    p = cmds.add_parser("replicas", help="Ray Serve replicas vs one engine: throughput, multi-turn hits",
-                        description=replicas.__doc__, formatter_class=FORMATTER)
-    replicas.add_arguments(p)
-    p.set_defaults(bench_func=replicas.run)
-
-    from loadtests import scale_sim
-
-    p = cmds.add_parser("scale-sim", help="capacity planning: users x replicas, simulated from a step trace",
-                        description=scale_sim.__doc__, formatter_class=FORMATTER)
-    scale_sim.add_arguments(p)
-    p.set_defaults(bench_func=scale_sim.run)
+    # Subcommands that bring their own arguments (`add_arguments`) and entry point (`run`).
+    for name, module, help_ in (
+            ("structured", structured, "structured outputs: mask cost, and ngram on JSON extraction"),
+            ("replicas", replicas, "Ray Serve replicas vs one engine: throughput, multi-turn hits"),
+            ("scale-sim", scale_sim, "capacity planning: users x replicas, simulated from a step trace")):
+        p = cmds.add_parser(name, help=help_, description=module.__doc__, formatter_class=FORMATTER)
+        module.add_arguments(p)
+        p.set_defaults(bench_func=module.run)
 
     p = cmds.add_parser("sweep", help="several servers on loopback, same load interleaved, ratios",
                         description=sweep.__doc__, formatter_class=FORMATTER)
