@@ -88,10 +88,8 @@ def run(args: argparse.Namespace) -> int:
                                     extra=CONFIGS[label][0])
             spec = ServerSpec(label=label, command=cmd, env=CONFIGS[label][1], startup_timeout_s=600)
             srv = ServerProcess(spec, out / "logs" / f"{label.replace(' ', '_').replace(',', '')}.log")
-            try:
-                srv.__enter__()
-            except RuntimeError as e:
-                print(f"did not start: {e}", file=sys.stderr)
+            if not srv.start():
+                print(f"{label}: did not start: {srv.error}", file=sys.stderr)
                 return 1
             try:
                 asyncio.run(_throughput(srv.url, args.concurrency, args.concurrency, 8))  # warm-up

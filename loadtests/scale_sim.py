@@ -80,7 +80,8 @@ class _Replica:
     running: list[_Req] = field(default_factory=list)
     waiting: deque[_Req] = field(default_factory=deque)
     cache: OrderedDict[int, int] = field(default_factory=OrderedDict)  # conv -> cached context tokens
-    busy: bool = False
+    # The step under way (its decode rows and prefill chunks), None while idle.
+    step: tuple[list[_Req], list[tuple[_Req, int]]] | None = None
 
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -129,7 +130,7 @@ def simulate(users: int, replicas: int, routing: str, cost: StepCost, wl: Worklo
         while rep.cache and used + sum(rep.cache.values()) > eng.kv_tokens:
             rep.cache.popitem(last=False)
         if not rep.running:
-            rep.busy = False
+            rep.step = None
             return
         budget = eng.max_num_batched_tokens
         decode = [q for q in rep.running if q.todo_prefill == 0]
@@ -142,12 +143,9 @@ def simulate(users: int, replicas: int, routing: str, cost: StepCost, wl: Worklo
                 chunks.append((q, n))
                 budget -= n
                 tokens += n
-        rep.busy = True
-        step = cost(len(decode) + len(chunks), tokens)
-        rep_state[r] = (decode, chunks)
-        push(now + step, "step", r)
+        rep.step = (decode, chunks)
+        push(now + cost(len(decode) + len(chunks), tokens), "step", r)
 
-    rep_state: dict[int, tuple[list[_Req], list[tuple[_Req, int]]]] = {}
     while events:
         now, _, kind, who = heapq.heappop(events)
         if now > duration_s:
@@ -164,12 +162,13 @@ def simulate(users: int, replicas: int, routing: str, cost: StepCost, wl: Worklo
                 prompt_total += prompt
                 cached_total += cached
             reps[r].waiting.append(q)
-            if not reps[r].busy:
+            if reps[r].step is None:
                 start_step(r, now)
         else:
             r = who
             rep = reps[r]
-            decode, chunks = rep_state.pop(r)
+            assert rep.step is not None
+            decode, chunks = rep.step
             for q, n in chunks:
                 q.todo_prefill -= n
                 if q.todo_prefill == 0:

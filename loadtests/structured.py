@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
                      f"{ratios[f'mask_cost@{c}']:.3f}x |")
     for suffix, what in (("", ""), ("_compact", ", compact JSON (disable_any_whitespace)")):
         lines.append(f"| extraction{what}, constrained plain | {med['extract_plain' + suffix]:.1f} | |")
-        ratio = ratios["extract_compact_ngram_vs_plain" if suffix else "extract_ngram_vs_plain"]
+        gain = ratios["extract_compact_ngram_vs_plain" if suffix else "extract_ngram_vs_plain"]
         lines.append(f"| extraction{what}, constrained + ngram K={args.k} | "
-                     f"{med['extract_ngram' + suffix]:.1f} | {ratio:.3f}x |")
+                     f"{med['extract_ngram' + suffix]:.1f} | {gain:.3f}x |")
     table = "\n".join(lines)
     print(table)
     same = all(r["extract_same_tokens"] for r in rounds)

@@ -422,8 +422,7 @@ def serve_replicas(settings: ServerSettings) -> int:
         signal.signal(sig, on_signal)
     try:
         ray_serve.start(http_options={"host": settings.host, "port": settings.port})
-        ray_serve.run(build(settings, settings.replicas, settings.max_replicas, settings.replica_routing),
-                      name="specserve", route_prefix="/")
+        ray_serve.run(build(settings), name="specserve", route_prefix="/")
         started = True
         logger.info("serving %d replica(s) on http://%s:%d (OpenAI API at /v1)", settings.replicas,
                     settings.host, settings.port)

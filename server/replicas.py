@@ -12,6 +12,7 @@ Serve serialises the ingress class where it is decorated: what it calls is defin
 """
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from server.errors import error_body
-from server.metrics import merge_expositions
+from server.metrics import CONTENT_TYPE, merge_expositions
 from server.routing import PrefixTable, route_key
 
 logger = logging.getLogger("specserve")
@@ -193,9 +194,9 @@ class EngineReplica:
         from server.engine_client import create_engine_client
         from server.settings import ServerSettings
 
-        self.settings = ServerSettings(**settings)
-        self.client = create_engine_client(self.settings, show_progress=False)
-        self.app = build_app(self.settings, self.client)
+        parsed = ServerSettings(**settings)
+        self.client = create_engine_client(parsed, show_progress=False)
+        self.app = build_app(parsed, self.client)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self.name = serve.get_replica_context().replica_id.unique_id
@@ -228,8 +229,6 @@ class EngineReplica:
 
 
 def _key(path: str, body: bytes) -> list[tuple[bytes, int]]:
-    import json
-
     try:
         return route_key(path, json.loads(body))
     except (ValueError, RecursionError):
@@ -271,8 +270,6 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _rest(gen: DeploymentResponseGenerator, head: bytes, sse: bool) -> AsyncIterator[bytes]:
-    import json
-
     if head:
         yield head
     try:
@@ -305,10 +302,8 @@ class Ingress:
 
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         texts = await self.board.collect.remote()
-        return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
+        return Response(merge_expositions(texts), media_type=CONTENT_TYPE)
 
     @ingress_app.api_route("/{path:path}", methods=METHODS)
     async def forward(self, path: str, request: Request) -> Response:
@@ -344,10 +339,10 @@ class Ingress:
         return b"".join(parts)[: self.max_body + 1]
 
 
-def build(settings: Any, replicas: int, max_replicas: int | None = None,
-          routing: str = "prefix") -> serve.Application:
-    """The Serve application for `settings` (a ServerSettings) with `replicas` engines (autoscaling up
-    to `max_replicas` when requests wait)."""
+def build(settings: Any) -> serve.Application:
+    """The Serve application for `settings` (a ServerSettings): `replicas` engines (autoscaling up to
+    `max_replicas` when requests wait), routed by `replica_routing`."""
+    replicas, max_replicas = settings.replicas, settings.max_replicas
     data = settings.model_dump(exclude={"replicas", "max_replicas", "ray_address", "replica_routing",
                                         "replica_cpus"})
     # Ray gives a worker OMP_NUM_THREADS = the CPUs it reserves (1 when it reserves none), and the BLAS
@@ -361,7 +356,7 @@ def build(settings: Any, replicas: int, max_replicas: int | None = None,
                                          "target_ongoing_requests": settings.max_num_seqs}
     else:
         options["num_replicas"] = replicas
-    if routing == "prefix":
+    if settings.replica_routing == "prefix":
         options["request_router_config"] = {"request_router_class": PrefixAwareRouter}
     board = MetricsBoard.bind()
     engine = EngineReplica.options(**options).bind(data, board)
@@ -373,5 +368,4 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     `specserve serve`'s settings (snake_case), plus `replicas`, `max_replicas` and `replica_routing`."""
     from server.settings import ServerSettings
 
-    settings = ServerSettings(**{k.replace("-", "_"): v for k, v in args.items()})
-    return build(settings, settings.replicas, settings.max_replicas, settings.replica_routing)
+    return build(ServerSettings(**{k.replace("-", "_"): v for k, v in args.items()}))

@@ -20,9 +20,11 @@ TOKENS_PER_LINK = 16
 MAX_LINKS = 512  # a longer prompt's tail adds nothing to routing
 
 
-def _link(parent: bytes, part: Any) -> bytes:
-    data = part if isinstance(part, bytes) else json.dumps(part, sort_keys=True, separators=(",", ":"),
-                                                           ensure_ascii=False).encode()
+def _encode(part: Any) -> bytes:
+    return json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _link(parent: bytes, data: bytes) -> bytes:
     return hashlib.blake2b(parent + data, digest_size=8).digest()
 
 
@@ -36,14 +38,14 @@ def route_key(path: str, body: Any) -> list[tuple[bytes, int]]:
         if not isinstance(messages, list):
             return []
         # Everything rendered before the first message: tools and a request's own template.
-        root = _link(b"chat", [body.get("model"), body.get("tools"), body.get("chat_template"),
-                               body.get("chat_template_kwargs")])
+        root = _link(b"chat", _encode([body.get("model"), body.get("tools"), body.get("chat_template"),
+                                       body.get("chat_template_kwargs")]))
         parts: Iterable[Any] = messages
     elif path.endswith("/completions"):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: key on its first prompt
-        root = _link(b"completion", body.get("model"))
+        root = _link(b"completion", _encode(body.get("model")))
         if isinstance(prompt, str):
             parts = [prompt[i:i + CHARS_PER_LINK] for i in range(0, len(prompt), CHARS_PER_LINK)]
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -57,8 +59,9 @@ def route_key(path: str, body: Any) -> list[tuple[bytes, int]]:
     for part in parts:
         if len(chain) == MAX_LINKS:
             break
-        h = _link(h, part)
-        covered += len(part) if isinstance(part, (str, list)) else len(json.dumps(part))
+        data = _encode(part)
+        h = _link(h, data)
+        covered += len(part) if isinstance(part, (str, list)) else len(data)
         chain.append((h, covered))
     return chain
 
