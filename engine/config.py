@@ -89,6 +89,9 @@ class EngineConfig(BaseModel):
     chat_template: str | None = None  # template text, overriding the model's
     trust_remote_code: bool = False
     show_progress: bool = True
+    # Ranks the layers are split over (engine/distributed.py); above 1 the process must be one of the
+    # ranks MLX's launcher started.
+    tensor_parallel_size: int = Field(1, ge=1)
     # A parsed speculative config (engine.spec.config), or JSON text / a mapping to parse.
     speculative_config: Any = None
 

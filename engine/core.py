@@ -10,11 +10,11 @@ import logging
 import time
 
 from engine.attention.cpu import cpu_paged_attention
-from engine.attention.reference import paged_attention_reference
-from engine.attention.selector import cpu_attention_fits, select_attention
+from engine.attention.selector import attention_for_cache
 from engine.config import EngineConfig
 from engine.cpu.layers import build_stack
 from engine.detokenize import IncrementalDetokenizer, StopMatcher
+from engine.distributed import TensorParallel
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache, head_major_default
@@ -26,6 +26,7 @@ from engine.runner import ModelRunner
 from engine.sampler import set_global_seed
 from engine.sampling import SamplingParams
 from engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from engine.spec.config import MTPConfig
 from engine.spec.decoding import SpecDecoding
 from engine.spec.factory import load_draft
 from engine.stats import FinishedRequestStats, IterationStats
@@ -46,9 +47,19 @@ class EngineFatalError(RuntimeError):
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        # Tensor parallelism: this engine is rank 0 and the other ranks follow its forwards.
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1 and loaded is not None:
+            raise ValueError("tensor parallelism loads its own slice of the model: pass no LoadedModel")
+        if tp_size > 1 and isinstance(config.speculative_config, MTPConfig):
+            raise ValueError("--tensor-parallel-size with the mtp method: the assistant reads the target's "
+                             "KV cache, of which rank 0 holds only its own heads; use ngram, suffix or "
+                             "draft_model")
+        self.tp = TensorParallel.init(tp_size) if tp_size > 1 else None
         self.loaded = loaded or load_model(config.model, config.dtype, config.revision,
                                            config.chat_template, progress=config.show_progress,
-                                           quantization=config.quantization)
+                                           quantization=config.quantization,
+                                           shard=self.tp.shard if self.tp is not None else None)
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.model
         self.max_model_len = self._resolve_max_model_len()
@@ -56,7 +67,8 @@ class EngineCore:
         layout = adapter.kv_layout(model)
         per_block = PagedKVCache.bytes_per_block(layout.shapes, bs, self.loaded.dtype)
         self.spec = config.speculative_config
-        draft = load_draft(self.spec, self.loaded, config.dtype, config.show_progress) if self.spec else None
+        draft = (load_draft(self.spec, self.loaded, config.dtype, config.show_progress,
+                            share_target=self.tp is None) if self.spec else None)
         self.spec_max_len = self.max_model_len
         if draft is not None:
             self.spec_max_len = min(self.max_model_len, draft.max_position_embeddings or self.max_model_len)
@@ -69,6 +81,8 @@ class EngineCore:
                 f"kv_cache_memory={config.kv_cache_memory!r} gives {num_blocks} blocks of {bs} tokens "
                 f"({per_block} bytes each) but one request of max_model_len={self.max_model_len} needs "
                 f"{need}: raise --kv-cache-memory or lower --max-model-len")
+        if self.tp is not None:  # the other ranks size their KV slices to rank 0's block count
+            self.tp.broadcast([num_blocks], 1)
         self.kv_cache = PagedKVCache(layout.shapes, num_blocks, bs, self.loaded.dtype,
                                      head_major=head_major_default(config.kv_layout))
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s; %s)", num_blocks, bs,
@@ -77,21 +91,18 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
-        attention_fn, attention_label = select_attention(config.attention_backend)
-        if attention_fn is cpu_paged_attention and (why := cpu_attention_fits(self.kv_cache)) is not None:
-            if config.attention_backend == "cpu":
-                raise ValueError(f"--attention-backend cpu: {why}; use auto or reference")
-            attention_fn, attention_label = paged_attention_reference, f"reference (MLX ops; C kernel: {why})"
-        if attention_fn not in (paged_attention_reference, cpu_paged_attention) and self.kv_cache.head_major:
-            raise ValueError("kv_layout=head: the Metal kernels read the block-major KV layout; "
-                             "use kv_layout auto/block or --attention-backend reference")
+        attention_fn, attention_label = attention_for_cache(config.attention_backend, self.kv_cache)
         logger.info("attention backend: %s; KV layout: %s", attention_label,
                     "head-major" if self.kv_cache.head_major else "block-major")
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size
-        stack, why = build_stack(model, self.kv_cache, layout.windows,
-                                 attention_fn is cpu_paged_attention, self.loaded.config)
+        if self.tp is None:
+            stack, why = build_stack(model, self.kv_cache, layout.windows,
+                                     attention_fn is cpu_paged_attention, self.loaded.config)
+        else:
+            stack, why = None, f"tensor parallel over {self.tp.size} ranks, all-sums between the layers"
+            self.runner.tp = self.tp
         self.runner.stack = stack
         logger.info("weights: %s; layers: %s", self.loaded.precision,
                     why if stack else f"MLX modules ({why})")
@@ -208,6 +219,16 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting), kv_cache_usage=self.kv.usage(), num_preempted=0,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
 
+    def close(self) -> None:
+        """Release what outlives the process's objects: the other tensor-parallel ranks are told to stop
+        (on the engine's thread, which runs every collective)."""
+        if self.tp is not None:
+            tp, self.tp = self.tp, None
+            try:
+                tp.send_stop()
+            except RuntimeError as e:  # a rank already gone: the group is broken either way
+                logger.warning("tensor parallel: could not tell the other ranks to stop: %s", e)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -269,6 +290,8 @@ class EngineCore:
             self._failed_steps = 0
             return res
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine thread
+            if self.tp is not None:  # the ranks may now be at different collectives: no step can follow
+                raise EngineFatalError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
             if len(so.scheduled) == 1:
                 logger.exception("step failed; failing its request %s", so.scheduled[0].request_id)
                 res, raised = _failed(so, [_FORWARD_FAILED]), 1

@@ -28,6 +28,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            ("on", "off")),
     EnvVar("SPECSERVE_CPU_LAYERS", "on", "llama-family decoder layers in one C call per step on AVX-512 CPUs "
            "(engine/cpu/layers.c); off: the MLX modules", ("on", "off")),
+    EnvVar("SPECSERVE_TP_BACKEND", "any", "the mx.distributed backend a tensor-parallel rank joins (set by "
+           "`serve --tensor-parallel-size` from the hostfile; any: the first that starts)",
+           ("any", "ring", "mpi", "jaccl", "nccl")),
     EnvVar("SPECSERVE_MALLOC", "tuned", "glibc malloc: one arena with fixed thresholds (tuned) or glibc's "
            "own behaviour (default)", ("tuned", "default")),
 )}

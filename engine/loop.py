@@ -161,6 +161,7 @@ class EngineLoop:
             logger.critical("the engine loop cannot go on; failing every request and stopping", exc_info=e)
         finally:
             self._fail_all("the engine stopped" if self.error is None else _FATAL_MESSAGE)
+            self.core.close()
         if self.error is not None and self.exit_hook is not None:
             logger.critical("exiting with status %d for a supervisor to restart", FATAL_EXIT_CODE)
             self.exit_hook(FATAL_EXIT_CODE)

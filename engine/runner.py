@@ -13,6 +13,7 @@ from engine.attention.types import build_metadata
 from engine.cpu.bitmask import apply_bitmask
 from engine.cpu.host import host_view
 from engine.cpu.layers import CpuLayerStack
+from engine.distributed import TensorParallel
 from engine.faults import FaultInjector, InjectedFault
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
@@ -50,6 +51,8 @@ class ModelRunner:
         self.draft_probs: dict[str, np.ndarray] = {}
         # The decoder layers in one C call (engine/cpu/layers.py), set by the engine where it applies.
         self.stack: CpuLayerStack | None = None
+        # Tensor parallelism (engine/distributed.py): rank 0 sends each forward's chunks to the others.
+        self.tp: TensorParallel | None = None
         adapter.install(model)
         self.caches = adapter.make_caches(model, kv)
         for c in self.caches:
@@ -58,6 +61,9 @@ class ModelRunner:
     def forward_chunks(self, chunks: list[tuple[list[int], int, list[int], int]]) -> mx.array:
         """chunks: per request (token_ids, start_pos, block_table, num_logits), in batch order.
         Runs the flat batch and returns the final hidden states of the logit rows [N, hidden]."""
+        tp = self.tp
+        if tp is not None and tp.leader:
+            tp.send_forward(chunks)
         meta = build_metadata([(start, len(toks), table) for toks, start, table, _ in chunks],
                               self.kv.block_size)
         for c in self.caches:
@@ -73,6 +79,8 @@ class ModelRunner:
                 h = self.stack.hidden_states(ids, meta)
             else:
                 h = adapter.hidden_states(self.model, ids, self.caches)  # [T, hidden]
+            if tp is not None:
+                mx.eval(h)  # every rank runs the step's all-sums here, in the same order
         finally:
             for c in self.caches:
                 c.meta = None

@@ -13,8 +13,10 @@
     specserve bench sweep --modes off,ngram --temperatures 0,0.4,0.8,1.0 --max-concurrency 8
     # an operator's mix (half extraction at 0.1, half creative at 1.0), P50 / P99 per class
     specserve bench sweep --modes off,ngram --dataset-name extraction-creative --max-concurrency 8
-    # one engine against Ray Serve replicas; users x replicas simulated from a step trace
+    # one engine against Ray Serve replicas, and against the model over 2 ranks; users x replicas
+    # simulated from a step trace
     specserve bench replicas --rounds 3 --output-dir results/replicas
+    specserve bench replicas --compare tensor-parallel --rounds 3 --output-dir results/tensor-parallel
     specserve bench scale-sim --trace STEPS.jsonl --users 10,100,1000
 
 Modes are "off" and the example configs in configs/*.yaml, named after the file (see loadtests/modes.py).
@@ -112,7 +114,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     # Subcommands that bring their own arguments (`add_arguments`) and entry point (`run`).
     for name, module, help_ in (
             ("structured", structured, "structured outputs: mask cost, and ngram on JSON extraction"),
-            ("replicas", replicas, "Ray Serve replicas vs one engine: throughput, multi-turn hits"),
+            ("replicas", replicas, "replicas on Ray Serve, or 2 tensor-parallel ranks, vs one engine"),
             ("scale-sim", scale_sim, "capacity planning: users x replicas, simulated from a step trace")):
         p = cmds.add_parser(name, help=help_, description=module.__doc__, formatter_class=FORMATTER)
         module.add_arguments(p)

@@ -1,7 +1,8 @@
-"""Replicas on Ray Serve against one engine, on the same machine: aggregate throughput at a fixed
-concurrency, and the prefix-cache hit rate of a multi-turn workload (prefix-aware routing vs Serve's
-default router vs one engine). Each server is started alone in turn, rounds rotate the order; the table
-gives medians over rounds and ratios to one engine."""
+"""Scale-out against one engine, on the same machine: aggregate throughput at a fixed concurrency, and the
+prefix-cache hit rate of a multi-turn workload. `--compare replicas`: replicas on Ray Serve (prefix-aware
+routing vs Serve's default router); `--compare tensor-parallel`: the model split over 2 ranks. Each
+server is started alone in turn, rounds rotate the order; the table gives medians over rounds and ratios
+to one engine."""
 
 from __future__ import annotations
 
@@ -20,11 +21,19 @@ from loadtests.datasets import chat_items
 from loadtests.servers import ServerProcess, ServerSpec, specserve_command
 
 # label -> (flags, environment); replicas inherit the environment of the cluster the CLI starts.
-CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "one engine": ([], {}),
-    "1 replica on Ray Serve": (["--replicas", "1", "--max-replicas", "1"], {}),
-    "2 replicas, prefix routing": (["--replicas", "2"], {}),
-    "2 replicas, Serve's router": (["--replicas", "2", "--replica-routing", "power-of-two"], {}),
+COMPARISONS: dict[str, dict[str, tuple[list[str], dict[str, str]]]] = {
+    "replicas": {
+        "one engine": ([], {}),
+        "1 replica on Ray Serve": (["--replicas", "1", "--max-replicas", "1"], {}),
+        "2 replicas, prefix routing": (["--replicas", "2"], {}),
+        "2 replicas, Serve's router": (["--replicas", "2", "--replica-routing", "power-of-two"], {}),
+    },
+    "tensor-parallel": {
+        "one engine": ([], {}),
+        # what each rank runs: MLX's modules, without the one-call C layer stack
+        "one engine, MLX modules": ([], {"SPECSERVE_CPU_LAYERS": "off"}),
+        "2 ranks (tensor parallel)": (["--tensor-parallel-size", "2"], {}),
+    },
 }
 
 
@@ -80,13 +89,14 @@ async def _multi_turn(url: str, conversations: int, turns: int, concurrency: int
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
-    rows: dict[str, list[dict[str, Any]]] = {label: [] for label in CONFIGS}
-    labels = list(CONFIGS)
+    configs = COMPARISONS[args.compare]
+    rows: dict[str, list[dict[str, Any]]] = {label: [] for label in configs}
+    labels = list(configs)
     for rnd in range(args.rounds):
         for label in labels[rnd % len(labels):] + labels[:rnd % len(labels)]:
             cmd = specserve_command(max_model_len=2048, kv_cache_memory=args.kv_cache_memory,
-                                    extra=CONFIGS[label][0])
-            spec = ServerSpec(label=label, command=cmd, env=CONFIGS[label][1], startup_timeout_s=600)
+                                    extra=configs[label][0])
+            spec = ServerSpec(label=label, command=cmd, env=configs[label][1], startup_timeout_s=600)
             srv = ServerProcess(spec, out / "logs" / f"{label.replace(' ', '_').replace(',', '')}.log")
             if not srv.start():
                 print(f"{label}: did not start: {srv.error}", file=sys.stderr)
@@ -124,15 +134,17 @@ def run(args: argparse.Namespace) -> int:
     table = "\n".join(lines)
     print(table)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "replicas.json").write_text(json.dumps({
+    (out / f"{args.compare}.json").write_text(json.dumps({
         "schema": "specserve-bench-replicas/1", "args": {k: v for k, v in vars(args).items()
                                                            if isinstance(v, (int, float, str))},
         "rounds": rows, "summary": summary}, indent=2) + "\n")
-    (out / "replicas.md").write_text(table + "\n")
+    (out / f"{args.compare}.md").write_text(table + "\n")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compare", choices=list(COMPARISONS), default="replicas",
+                   help="one engine against replicas on Ray Serve, or against the model over 2 ranks")
     p.add_argument("--rounds", type=int, default=3, help="each server this many times, order rotated")
     p.add_argument("--concurrency", type=int, default=16, help="clients of the throughput part")
     p.add_argument("--requests", type=int, default=48, help="requests of the throughput part")

@@ -73,6 +73,8 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-stop-token-ids", "max_stop_token_ids", {"type": int}),
     ("--request-timeout", "request_timeout", {"type": float, "metavar": "SECONDS"}),
     ("--shutdown-timeout", "shutdown_timeout", {"type": float, "metavar": "SECONDS"}),
+    ("--tensor-parallel-size", "tensor_parallel_size", {"type": int}),
+    ("--hostfile", "hostfile", {"metavar": "FILE"}),
     ("--replicas", "replicas", {"type": int}),
     ("--max-replicas", "max_replicas", {"type": int}),
     ("--ray-address", "ray_address", {"metavar": "ADDRESS"}),
@@ -296,6 +298,14 @@ def serve(settings: ServerSettings) -> int:
     _setup_logging(settings.log_level)
     if settings.replicas > 1 or settings.max_replicas is not None:
         return serve_replicas(settings)
+    from engine.distributed import launched_rank
+
+    if settings.tensor_parallel_size > 1 and launched_rank() is not None:
+        from server.tensor_parallel import note_rank0_pid, run_follower
+
+        if launched_rank():
+            return run_follower(settings)
+        note_rank0_pid()
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as e:
@@ -491,6 +501,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve_settings(args)
     except ValueError as e:
         parser.exit(2, f"specserve serve: error: {e}\n")
+    from engine.distributed import launched_rank
+
+    if settings.tensor_parallel_size > 1 and launched_rank() is None:
+        from server.tensor_parallel import launch
+
+        _setup_logging(settings.log_level)
+        try:
+            return launch(settings, list(argv) if argv is not None else sys.argv[1:])
+        except (ValueError, FileNotFoundError) as e:
+            logger.error("cannot start the ranks: %s", e)
+            return 2
     return serve(settings)
 
 

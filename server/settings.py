@@ -130,6 +130,14 @@ class ServerSettings(BaseModel):
         3.0, ge=0, description="after SIGTERM/Ctrl-C, seconds running requests get to finish before they "
                                "are aborted")
 
+    # -- one model over several ranks (mx.distributed; server/tensor_parallel.py) ---------------
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the model's layers are split over (mx.distributed, ring backend); "
+                             "this machine's ranks are started here, others with --hostfile")
+    hostfile: str | None = Field(
+        None, description="MLX hostfile (JSON: ssh name and IPs per host) to run the ranks on several "
+                          "machines through MLX's launcher")
+
     # -- replicas (Ray Serve; server/replicas.py) ------------------------------------------------
     replicas: int = Field(
         1, ge=1, description="engine replicas behind Ray Serve's HTTP proxy (above 1: starts or joins a Ray "
@@ -217,6 +225,11 @@ class ServerSettings(BaseModel):
                              "(hermes, llama3_json, mistral)")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise ValueError(f"--max-replicas {self.max_replicas} is below --replicas {self.replicas}")
+        if self.tensor_parallel_size > 1 and (self.replicas > 1 or self.max_replicas is not None):
+            raise ValueError("--tensor-parallel-size with --replicas is not supported: replicas are "
+                             "single-rank engines")
+        if self.hostfile is not None and self.tensor_parallel_size < 2:
+            raise ValueError("--hostfile needs --tensor-parallel-size 2 or more")
         return self
 
     @field_validator("chat_template")
@@ -294,4 +307,5 @@ class ServerSettings(BaseModel):
             "seed": self.seed, "chat_template": self.chat_template,
             "trust_remote_code": self.trust_remote_code,
             "speculative_config": self._spec_config(),
+            "tensor_parallel_size": self.tensor_parallel_size,
         }

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from engine.attention.cpu import cpu_paged_attention
 from engine.attention.reference import paged_attention_reference
 from engine.attention.types import AttentionBackend, KernelSet
 from engine.kv.cache import PagedKVCache
@@ -86,3 +87,18 @@ def cpu_attention_fits(kv: PagedKVCache) -> str | None:
     if kv.dtype != mx.float32:
         return f"the KV cache holds {kv.dtype}, not float32"
     return None
+
+
+def attention_for_cache(backend: AttentionBackend, kv: PagedKVCache) -> tuple[Callable[..., mx.array], str]:
+    """`select_attention`, then checked against the cache it will read: the C kernel falls back to the
+    reference path (or refuses, when asked for by name) on a cache it cannot read, and the Metal kernels
+    refuse a head-major one."""
+    attention_fn, label = select_attention(backend)
+    if attention_fn is cpu_paged_attention and (why := cpu_attention_fits(kv)) is not None:
+        if backend == "cpu":
+            raise ValueError(f"--attention-backend cpu: {why}; use auto or reference")
+        attention_fn, label = paged_attention_reference, f"reference (MLX ops; C kernel: {why})"
+    if attention_fn not in (paged_attention_reference, cpu_paged_attention) and kv.head_major:
+        raise ValueError("kv_layout=head: the Metal kernels read the block-major KV layout; "
+                         "use kv_layout auto/block or --attention-backend reference")
+    return attention_fn, label

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,9 @@ def load_model(
     chat_template: str | None = None,
     progress: bool = True,
     quantization: str | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
+    """`shard`: splits the layers for tensor parallelism (engine/distributed.py), before the CPU swap."""
     from mlx_lm.utils import load_model as mlx_load_model
 
     source, path = resolve_source(model, revision)
@@ -264,7 +267,7 @@ def load_model(
     # A multimodal wrapper (gemma4, gemma3) serves its text model: the engine runs text only and reads
     # `model.model`, `model.args` and the head the way it does for every text class.
     net = getattr(net, "language_model", net)
-    _load_with_progress(net, WeightPlan(dtype, quantization), dt, progress)
+    _load_with_progress(net, WeightPlan(dtype, quantization), dt, progress, shard)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, name=str(name), path=str(path),
                        source=source, dtype=dt, eos_token_ids=_eos_ids(config, tokenizer, folder),
                        revision=revision, precision=precision_name(net))
@@ -300,7 +303,8 @@ def materialize(module: nn.Module) -> None:
     mx.eval(arrays)
 
 
-def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progress: bool) -> None:
+def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progress: bool,
+                        shard: Callable[[nn.Module], None] | None = None) -> None:
     from tqdm import tqdm
 
     layers = list(net.layers)
@@ -308,6 +312,6 @@ def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progr
         for layer in layers:  # materialise lazily-loaded weights layer by layer for the bar
             mx.eval(layer.parameters())
             bar.update(1)
-        apply_plan(net, plan, dtype)
+        apply_plan(net, plan, dtype, shard)
         materialize(net)
         bar.update(1)

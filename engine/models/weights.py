@@ -19,6 +19,7 @@ own modules stay (Metal has fast quantized kernels).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -26,13 +27,23 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+)
 from mlx.utils import tree_flatten, tree_map_with_path
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = {"q8": 8, "q4": 4}
 DEFAULT_GROUP_SIZE = 64  # mlx_lm.convert's default
-_LINEAR = (nn.Linear, nn.QuantizedLinear)
+# mlx's tensor-parallel linears (engine/distributed.py) are linears too; *ToAll ones all-sum their output.
+_SHARDED_QUANT = (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)
+_SHARDED_TO_ALL = (ShardedToAllLinear, QuantizedShardedToAllLinear)
+_QUANT = (nn.QuantizedLinear, nn.QuantizedEmbedding, *_SHARDED_QUANT)
+_LINEAR = (nn.Linear, nn.QuantizedLinear, AllToShardedLinear, ShardedToAllLinear, *_SHARDED_QUANT)
 _EMBED = (nn.Embedding, nn.QuantizedEmbedding)
 _DTYPE_NAME = {mx.float32: "float32", mx.bfloat16: "bf16", mx.float16: "f16"}
 
@@ -47,7 +58,7 @@ def precision_name(model: nn.Module) -> str:
     for _, m in model.named_modules():
         if isinstance(m, (CpuLinear, CpuEmbedding)):
             kinds.add(m.precision)
-        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        elif isinstance(m, _QUANT):
             kinds.add(f"q{m.bits} (group {m.group_size})")
         elif isinstance(m, _LINEAR + _EMBED):
             kinds.add(_DTYPE_NAME.get(m.weight.dtype, str(m.weight.dtype)))
@@ -91,8 +102,11 @@ class WeightPlan:
     quantization: str | None  # "q8" | "q4" | None
 
 
-def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype) -> None:
-    """Bring a loaded model's weights to the plan (see the module docstring); evaluates them."""
+def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
+               shard: Callable[[nn.Module], None] | None = None) -> None:
+    """Bring a loaded model's weights to the plan (see the module docstring); evaluates them. `shard`
+    (tensor parallelism) splits the layers once their precision is settled, before the CPU modules
+    are swapped in."""
     from mlx_lm.utils import dequantize_model
 
     quantized = is_quantized(model)
@@ -107,6 +121,8 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype) -> N
             model.set_dtype(getattr(mx, plan.dtype))
     if plan.quantization:
         quantize(model, QUANTIZATIONS[plan.quantization])
+    if shard is not None:
+        shard(model)
     if not on_cpu():  # MLX's own (Metal / CUDA) kernels read every precision
         model.set_dtype(compute_dtype)
         mx.eval(model.parameters())
@@ -133,19 +149,25 @@ class CpuLinear(nn.Module):
     """A linear layer whose weight stays as stored (float32, bf16, fp16, affine 8/4-bit), multiplied by
     engine/cpu/qgemm.c on the calling thread."""
 
-    def __init__(self, packed: Any, bias: mx.array | None, params: dict[str, mx.array]) -> None:
+    def __init__(self, packed: Any, bias: mx.array | None, params: dict[str, mx.array],
+                 group: mx.distributed.Group | None = None) -> None:
+        """`group`: a tensor-parallel slice of the input features, whose partial products are summed
+        over the group (mlx's ShardedToAllLinear) before the bias."""
         super().__init__()
         for k, v in params.items():  # the stored arrays stay parameters (memory accounting, state dicts)
             setattr(self, k, v)
         if bias is not None:
             self.bias = bias
         self._packed = packed
+        self._group = group
         self.precision = _packed_name(packed)
 
     def __call__(self, x: mx.array) -> mx.array:
         from engine.cpu.qgemm import qgemm
 
         y = qgemm(x, self._packed)
+        if self._group is not None:
+            y = mx.distributed.all_sum(y, group=self._group)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -211,12 +233,12 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
     def swap(path: str, m: Any) -> Any:
         nonlocal count
         packed: PackedWeights | None = None
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, _QUANT):
             if getattr(m, "mode", "affine") != "affine" or m.bits not in (4, 8) or "biases" not in m:
                 return m
             packed = PackedWeights.affine(m["weight"], m["scales"], m["biases"], m.group_size, m.bits)
             params = {k: m[k] for k in ("weight", "scales", "biases")}
-        elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype in (mx.bfloat16, mx.float16,
+        elif isinstance(m, (*_LINEAR, nn.Embedding)) and m.weight.dtype in (mx.bfloat16, mx.float16,
                                                                                 mx.float32):
             # float32 too: every matmul then runs on the caller's thread. An OpenMP region opened from
             # MLX's own thread (its float32 matmuls reach the small-M GEMM there) starts a second
@@ -231,7 +253,7 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
             quant = isinstance(m, nn.QuantizedEmbedding)
             return CpuEmbedding(packed, params, compute_dtype, m.group_size if quant else 0,
                                 m.bits if quant else 0)
-        return CpuLinear(packed, m.get("bias"), params)
+        return CpuLinear(packed, m.get("bias"), params, m.group if isinstance(m, _SHARDED_TO_ALL) else None)
 
     leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)

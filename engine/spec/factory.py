@@ -11,8 +11,11 @@ from engine.spec.config import DraftModelConfig, MTPConfig, NgramConfig, SuffixC
 from engine.spec.proposer import Proposer
 
 
-def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> LoadedModel | None:
-    """Load and check the draft model of a draft_model config (None for model-free methods)."""
+def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool,
+               share_target: bool = True) -> LoadedModel | None:
+    """Load and check the draft model of a draft_model config (None for model-free methods).
+    `share_target`: the target as its own draft reuses the target's weights (not when they are a
+    tensor-parallel slice: the draft runs whole on rank 0)."""
     if isinstance(spec, MTPConfig):
         return None  # the assistant reads the target's KV: loaded by build_proposer, next to the runner
     if not isinstance(spec, DraftModelConfig):
@@ -20,13 +23,13 @@ def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool) -> Lo
     from engine.models.loader import load_model
     from engine.spec.draft_model import check_draft_compatible
 
-    same_path = Path(spec.model).expanduser().resolve() == Path(target.path).resolve()
-    if (same_path or spec.model == target.name) and spec.quantization is None:
+    same = Path(spec.model).expanduser().resolve() == Path(target.path).resolve() or spec.model == target.name
+    if same and spec.quantization is None and share_target:
         draft = target  # the target as its own draft shares weights, not KV
     else:
         try:
-            draft = load_model(spec.model, dtype=dtype, revision=spec.revision, progress=progress,
-                               quantization=spec.quantization)
+            draft = load_model(target.path if same else spec.model, dtype=dtype, revision=spec.revision,
+                               progress=progress, quantization=spec.quantization)
         except (OSError, ValueError) as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
     check_draft_compatible(target, draft)
