@@ -135,3 +135,30 @@ def save_with_default_tokenizer(model: Any, folder: Path) -> None:
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_folder(progress=False) / name, folder / name)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
+    """Until a server process started from the CLI answers /health with 200; fails with the end of its
+    log if it exits or the time runs out."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no healthy server at {url}: {log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)

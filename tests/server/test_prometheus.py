@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import RunningServer
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,12 +33,6 @@ QUERY = ("rate(vllm:spec_decode_num_accepted_tokens_total[10m]) / "
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def prometheus(tmp_path: Path, make_server) -> Iterator[tuple[RunningServer, str]]:  # noqa: ANN001
     with make_server(speculative_config=NGRAM, per_request_spec_decode_metrics="summary") as srv:
@@ -46,7 +40,7 @@ def prometheus(tmp_path: Path, make_server) -> Iterator[tuple[RunningServer, str
         config = tmp_path / "prometheus.yml"
         config.write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: specserve\n"
                           f"    static_configs:\n      - targets: ['{target}']\n")
-        port = _free_port()
+        port = free_port()
         log = (tmp_path / "prometheus.log").open("w")
         args = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'db'}",
                 f"--web.listen-address=127.0.0.1:{port}"]

@@ -10,7 +10,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import RunningServer
+from tests.helpers import free_port
 from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"
@@ -336,12 +336,6 @@ def test_cancellation_keeps_prefix_refcounts_and_frees_draft_blocks(make_server)
         assert srv.client.alive
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> None:
     """Until the server process at `url` answers /health 200 (its log in the failure message)."""
     deadline = time.monotonic() + timeout
@@ -356,7 +350,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 1
 
 def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path) -> None:
     key, grace = "sk-shutdown-secret-93b2e7", 8.0
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {key}"}
     log = tmp_path / "serve.log"

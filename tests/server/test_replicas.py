@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.helpers import free_port, wait_healthy
 
 # Ray's token authentication for the `ray start` cluster, this driver and the CLI's (read at import).
 os.environ["RAY_AUTH_MODE"] = "token"
@@ -29,12 +30,6 @@ API_KEY = "replica-key"
 RAY_BIN = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Cluster:
     address: str
@@ -43,10 +38,10 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    port = _free_port()
+    port = free_port()
     subprocess.run([RAY_BIN, "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=false",
                     "--disable-usage-stats"], check=True, capture_output=True, timeout=120)
-    c = Cluster(address=f"127.0.0.1:{port}", http_port=_free_port())
+    c = Cluster(address=f"127.0.0.1:{port}", http_port=free_port())
     ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
     try:
         yield c
@@ -66,14 +61,7 @@ def specserve(cluster: Cluster, *flags: str) -> Iterator[str]:
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            assert time.monotonic() < deadline, "the replicas did not come up"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(1)
+        wait_healthy(proc, url, Path(log.name))
         _wait_replicas(2)
         yield url
     finally:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 import engine
 from server.cli import build_parser, main, resolve_settings
 from specserve_configs import shipped
+from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECSERVE = str(Path(sys.executable).parent / "specserve")
@@ -140,12 +140,6 @@ def test_version_is_the_installed_distribution(capsys: pytest.CaptureFixture[str
     assert engine.__version__ == version  # what /version answers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _readme_examples(port: int) -> tuple[str, str]:
     """The curl and OpenAI SDK examples of README's "## HTTP API" section, pointed at `port`."""
     text = (ROOT / "README.md").read_text()
@@ -159,7 +153,7 @@ def _readme_examples(port: int) -> tuple[str, str]:
 
 @pytest.fixture
 def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as f:
         proc = subprocess.Popen([SPECSERVE, "serve", "--port", str(port), "--max-model-len", "2048",
@@ -168,16 +162,7 @@ def serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]
                                 stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "SPECSERVE_API_KEY": ""})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, timeout=120)
         yield proc, port, log
     finally:
         if proc.poll() is None:

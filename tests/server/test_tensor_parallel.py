@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from tests.helpers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -38,15 +38,9 @@ PROMPTS = [
 NEAR_TIE = 1e-3  # a top-2 logprob gap below this may flip with the all-sum's summation order
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def tp_server(*flags: str, expect_status: int | None = 0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = _free_port()
+    port = free_port()
     log = open(f"/tmp/specserve-tp-{port}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--tensor-parallel-size", "2", "--port", str(port),
@@ -54,14 +48,7 @@ def tp_server(*flags: str, expect_status: int | None = 0) -> Iterator[tuple[str,
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            assert time.monotonic() < deadline, "the ranks did not come up"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
+        wait_healthy(proc, url, Path(log.name))
         yield url, proc
         if expect_status is not None:
             ranks = _ranks(proc.pid)
