@@ -27,7 +27,8 @@ from engine.loop import FATAL_EXIT_CODE
 from engine.stats import IterationStats, SpecDecodingStats
 from server.metrics import EngineSnapshot, Metrics
 from tests.conftest import RunningServer
-from tests.server.test_reliability import _free_port, wait_for, wait_healthy
+from tests.helpers import free_port, wait_healthy
+from tests.server.test_reliability import wait_for
 from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"
@@ -236,7 +237,7 @@ def test_forward_failing_for_every_request_twice_in_a_row_is_fatal(make_server, 
 
 
 def test_serve_exits_non_zero_when_the_engine_cannot_go_on(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = tmp_path / "serve.yaml"
     config.write_text(f"port: {port}\nmax-model-len: 512\nkv-cache-memory: 64MiB\n"

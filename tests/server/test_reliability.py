@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import RunningServer
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_healthy
 from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"
@@ -334,18 +334,6 @@ def test_cancellation_keeps_prefix_refcounts_and_frees_draft_blocks(make_server)
         assert again["choices"][0]["text"] == ref_text
         wait_for(srv.idle, timeout=5)
         assert srv.client.alive
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> None:
-    """Until the server process at `url` answers /health 200 (its log in the failure message)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, log.read_text()
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
 
 
 def test_sigterm_finishes_short_requests_aborts_long_ones_exits_0(tmp_path: Path) -> None:
