@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.spec.proposer import DraftRequest
 
@@ -15,37 +14,44 @@ def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list
     n = tokens.shape[0]
     if n < min_n + 1 or k < 1:
         return []
-    # Vectorised per length, longest first: O(n * L) NumPy work per length, no Python loop over hits.
-    for length in range(min(max_n, n - 1), min_n - 1, -1):
-        windows = sliding_window_view(tokens[: n - 1], length)  # [n - length, length]: each has a follower
-        hits = np.flatnonzero((windows == tokens[n - length :]).all(axis=1))
-        if hits.size:
-            if hits.size > 1:
-                hits = _longest_context(tokens, hits, n - length)
-            follow = int(hits[-1]) + length
-            return tokens[follow : follow + k].tolist()
-    return []
+    # Match ends: earlier positions holding the last token, each with a follower. Each pass keeps the
+    # ends whose match extends one token further back: one compare over the context, then a few over the
+    # (few) ends, instead of a window compare over the context per length (it runs per request per step).
+    ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
+    longest = min(max_n, n - 1)
+    length, best, best_len = 1, ends[:0], 0
+    while ends.size:
+        if length >= min_n:
+            best, best_len = ends, length
+        if length == longest:
+            break
+        ends = _extend(tokens, ends, length)
+        length += 1
+    if not best.size:
+        return []
+    ends, length = best, best_len
+    # Ties: the match whose earlier tokens agree with the context's for the most positions is the place
+    # being copied (a text with repeated phrases matches several places within prompt_lookup_max tokens).
+    for back in range(length, length + min(_CONTEXT_CAP, n - length)):
+        if ends.size == 1:
+            break
+        agree = _extend(tokens, ends, back)
+        if not agree.size:
+            break
+        ends = agree
+    follow = int(ends[-1]) + 1
+    return tokens[follow : follow + k].tolist()
 
 
-# How far back ties between equally long matches are broken. A copy of a text with repeated phrases
-# ("return a + b" / "return a - b") matches several places within prompt_lookup_max tokens; the one
-# preceded by the same tokens as the context is the place being copied.
+# How far back ties between equally long matches are broken.
 _CONTEXT_CAP = 64
 
 
-def _longest_context(tokens: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
-    """starts: window starts of equally long matches of the suffix that begins at `end`. Keeps those
-    whose preceding tokens agree with the ones before `end` for the most positions."""
-    for j in range(1, min(_CONTEXT_CAP, end) + 1):
-        before = starts - j
-        ok = before >= 0
-        ok[ok] = tokens[before[ok]] == tokens[end - j]
-        if not ok.any():
-            break
-        starts = starts[ok]
-        if starts.size == 1:
-            break
-    return starts
+def _extend(tokens: np.ndarray, ends: np.ndarray, back: int) -> np.ndarray:
+    """The match ends whose token `back` places before them equals the one `back` before the context's
+    last token."""
+    ends = ends[ends >= back]
+    return ends[tokens[ends - back] == tokens[tokens.shape[0] - 1 - back]]
 
 
 class NgramProposer:

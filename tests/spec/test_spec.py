@@ -104,6 +104,40 @@ def test_ngram_table(tokens: list[int], lo: int, hi: int, k: int, expected: list
     assert find_ngram_draft(np.array(tokens), lo, hi, k) == expected
 
 
+def _ngram_by_definition(tokens: list[int], lo: int, hi: int, k: int, cap: int = 64) -> list[int]:
+    """The rule spelt out with plain loops: the longest suffix (lo..hi tokens) that occurred earlier with
+    a follower; among its occurrences the one whose earlier tokens agree with the context's for the most
+    positions (up to `cap`), then the most recent; the k tokens after it."""
+    n = len(tokens)
+    for length in range(min(hi, n - 1), lo - 1, -1):
+        suffix = tokens[n - length :]
+        starts = [s for s in range(n - length) if tokens[s : s + length] == suffix]
+        if not starts:
+            continue
+
+        def agreement(s: int, length: int = length) -> int:
+            j = 0
+            while j < min(cap, n - length) and s - j > 0 and tokens[s - j - 1] == tokens[n - length - j - 1]:
+                j += 1
+            return j
+
+        best = max(agreement(s) for s in starts)
+        s = [s for s in starts if agreement(s) == best][-1]
+        return tokens[s + length : s + length + k]
+    return []
+
+
+def test_ngram_lookup_follows_its_definition() -> None:
+    """Random contexts over tiny vocabularies (many equally long matches, so the tie rules decide)."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.choice([2, 3, 5, 40])), int(rng.integers(1, 90))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi, k = int(rng.integers(lo, 7)), int(rng.integers(1, 6))
+        assert find_ngram_draft(np.array(tokens), lo, hi, k) == _ngram_by_definition(tokens, lo, hi, k), \
+            (tokens, lo, hi, k)
+
+
 BAD_CONFIGS = [
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
