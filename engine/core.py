@@ -97,12 +97,12 @@ class EngineCore:
         faults = FaultInjector(config.fault_injection) if config.fault_injection else None
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size
+        self.runner.tp = self.tp
         if self.tp is None:
             stack, why = build_stack(model, self.kv_cache, layout.windows,
                                      attention_fn is cpu_paged_attention, self.loaded.config)
         else:
             stack, why = None, f"tensor parallel over {self.tp.size} ranks, all-sums between the layers"
-            self.runner.tp = self.tp
         self.runner.stack = stack
         logger.info("weights: %s; layers: %s", self.loaded.precision,
                     why if stack else f"MLX modules ({why})")

@@ -81,8 +81,6 @@ class TensorParallel:
     # -- the step's inputs, rank 0 to the others -------------------------------------------------
     def broadcast(self, values: list[int] | None, n: int) -> list[int]:
         """Rank 0's `values` (n ints) on every rank: an all-sum where the others add zeros."""
-        if not n:
-            return []
         a = mx.array(values if self.leader else [0] * n, dtype=mx.int32)
         return mx.distributed.all_sum(a, group=self.group).tolist()
 

@@ -137,14 +137,6 @@ def save_with_default_tokenizer(model: Any, folder: Path) -> None:
         shutil.copy(default_model_folder(progress=False) / name, folder / name)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
     """Until a server process started from the CLI answers /health with 200; fails with the end of its
     log if it exits or the time runs out."""

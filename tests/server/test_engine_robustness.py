@@ -25,9 +25,10 @@ import pytest
 from engine.detokenize import StopMatcher, StopMatcherCache, stop_matcher
 from engine.loop import FATAL_EXIT_CODE
 from engine.stats import IterationStats, SpecDecodingStats
+from loadtests.servers import free_port
 from server.metrics import EngineSnapshot, Metrics
 from tests.conftest import RunningServer
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import wait_healthy
 from tests.server.test_reliability import wait_for
 from tests.server.test_server_errors import assert_openai_error
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtests.servers import free_port
 from tests.conftest import RunningServer
-from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

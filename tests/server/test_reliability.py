@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtests.servers import free_port
 from tests.conftest import RunningServer
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import wait_healthy
 from tests.server.test_server_errors import assert_openai_error
 
 COMP = "/v1/completions"

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import free_port, wait_healthy
+from loadtests.servers import free_port
+from tests.helpers import wait_healthy
 
 # Ray's token authentication for the `ray start` cluster, this driver and the CLI's (read at import).
 os.environ["RAY_AUTH_MODE"] = "token"

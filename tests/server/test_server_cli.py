@@ -19,9 +19,10 @@ import httpx
 import pytest
 
 import engine
+from loadtests.servers import free_port
 from server.cli import build_parser, main, resolve_settings
 from specserve_configs import shipped
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECSERVE = str(Path(sys.executable).parent / "specserve")

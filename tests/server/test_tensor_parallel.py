@@ -21,7 +21,8 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from tests.helpers import free_port, wait_healthy
+from loadtests.servers import free_port
+from tests.helpers import wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
