@@ -238,7 +238,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return [], None
-        self.structured.attach_masks(so)
+        self.structured.attach(so)
         res = self._execute(so)
         spec = self.speculation
         spec_stats = spec.observe(so, res, self.scheduler.requests) if spec is not None else None

@@ -21,17 +21,18 @@ from engine.sampler import VERIFY_STREAM, row_uniforms, sample, target_probs, to
 from engine.sampling import RowState, TokenLogprob
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.spec.rejection import RejectionConfig, verify_sampled
-from engine.spec.verify import verify_greedy
+from engine.spec.verify import verify_greedy, verify_greedy_constrained
 
 
-def apply_grammar_masks(host: np.ndarray, so: SchedulerOutput, counts: list[int]) -> None:
+def apply_grammar_masks(host: np.ndarray, so: SchedulerOutput, counts: list[int], lazy: list[bool]) -> None:
     """Every token a row's grammar forbids to -inf, in place in the step's logits (structured outputs: the
-    sampler, argmax verification and the rejection rules all read the masked rows). In place because the
-    logits are this step's own buffer, read by nothing else, and copying them costs more than the masks."""
+    sampler and the rejection rules read the masked rows), except for the requests marked `lazy`, whose
+    rows are decided by their argmax and masked only where it is not allowed. In place because the logits
+    are this step's own buffer, read by nothing else, and copying them costs more than the masks."""
     row = 0
-    for sr, n in zip(so.scheduled, counts, strict=True):
-        if sr.grammar_mask is not None and n:
-            apply_bitmask(host[row : row + n], sr.grammar_mask[:n])
+    for sr, n, skip in zip(so.scheduled, counts, lazy, strict=True):
+        if sr.grammar is not None and n and not skip:
+            apply_bitmask(host[row : row + n], sr.grammar.masks()[:n])
         row += n
 
 
@@ -49,6 +50,9 @@ class ModelRunner:
         # drafts now being verified, for probabilistic drafters: request id -> q [K, vocab].
         self.rejection = RejectionConfig()
         self.draft_probs: dict[str, np.ndarray] = {}
+        # Structured outputs: rows decided by their argmax get a grammar mask only where the argmax is not
+        # allowed (the same tokens; False masks every row first, the reference the tests compare with).
+        self.lazy_grammar_masks = True
         # The decoder layers in one C call (engine/cpu/layers.py), set by the engine where it applies.
         self.stack: CpuLayerStack | None = None
         # Tensor parallelism (engine/distributed.py): rank 0 sends each forward's chunks to the others.
@@ -106,8 +110,10 @@ class ModelRunner:
         # in place, where MLX's CPU ops cost ~0.2 ms each per step.
         host = host_view(mx.contiguous(logits)) if logits.shape[0] else np.zeros(logits.shape, np.float32)
         finite = np.isfinite(host).all(axis=-1).tolist()
-        if any(sr.grammar_mask is not None for sr in so.scheduled):
-            apply_grammar_masks(host, so, counts)
+        lazy = [sr.grammar is not None and self.lazy_grammar_masks and self._argmax_verifies(sr)
+                for sr in so.scheduled]
+        if any(sr.grammar is not None for sr in so.scheduled):
+            apply_grammar_masks(host, so, counts, lazy)
 
         out = RunnerOutput()
         # Rows by how they are decided: argmax-only verification (greedy, nothing position-dependent) in
@@ -153,7 +159,8 @@ class ModelRunner:
         rejected = self._verify_by_rejection(so, kinds, logits, probs_rows, probs_states, qs)
 
         si = ai = pi = row = 0
-        for sr, n, kind in zip(so.scheduled, counts, kinds, strict=True):
+        for sr, n, kind, masks_later in zip(so.scheduled, counts, kinds, lazy, strict=True):
+            base = row
             bad = n > 0 and not all(finite[row : row + n])
             row += n
             out.errors.append("non-finite logits (NaN or inf) in this request's rows" if bad else None)
@@ -161,7 +168,11 @@ class ModelRunner:
             if kind == "none":
                 toks: list[int] = []
             elif kind == "argmax":
-                toks = verify_greedy(sr.spec_token_ids, argmax_list[ai : ai + n])
+                if masks_later:
+                    toks = verify_greedy_constrained(sr.spec_token_ids, argmax_list[ai : ai + n],
+                                                     sr.grammar.allows, self._masked_argmax(host, base, sr))
+                else:
+                    toks = verify_greedy(sr.spec_token_ids, argmax_list[ai : ai + n])
                 ai += n
             elif kind == "sample":
                 assert sampled is not None
@@ -180,6 +191,15 @@ class ModelRunner:
         if self.mtp_hidden is not None:
             self._keep_hidden(so, counts, h, out)
         return out
+
+    @staticmethod
+    def _masked_argmax(host: np.ndarray, base: int, sr: ScheduledRequest) -> Callable[[int], int]:
+        """Row base + i's argmax once its grammar mask is applied (in place, as for eager rows)."""
+        def argmax(i: int) -> int:
+            rows = host[base + i : base + i + 1]
+            apply_bitmask(rows, sr.grammar.mask(i))
+            return int(rows[0].argmax())
+        return argmax
 
     def _argmax_verifies(self, sr: ScheduledRequest) -> bool:
         """Drafts of this request are checked against the raw argmax (greedy, nothing position-dependent;

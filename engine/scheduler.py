@@ -19,7 +19,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    import numpy as np
+    from engine.structured import GrammarRows
 
 
 @dataclass(slots=True)
@@ -34,9 +34,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: list[int]
-    # Structured outputs: the allowed tokens of each logits row, [num_logits, vocab / 32] int32 bits, set by
-    # the engine from the request's grammar before the runner runs (engine/structured.py).
-    grammar_mask: np.ndarray | None = None
+    # Structured outputs: the request's grammar over its logits rows (masks filled when the runner asks),
+    # set by the engine before the runner runs (engine/structured.py).
+    grammar: GrammarRows | None = None
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ unconstrained requests."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -42,6 +43,10 @@ def test_masks_follow_drafts_and_leave_the_state_alone() -> None:
     assert np.array_equal(m.masks([]), masks[:1])  # nothing was consumed
     wrong = tok.encode("Sure!", add_special_tokens=False)
     assert m.valid_prefix(ids[:3] + wrong) == 3
+    assert np.array_equal(m.mask_after(ids[:5]), masks[5:6])  # one row, as masks() fills it
+    assert not m.mask_after(ids[:3] + wrong).any() and not m.allows_after(ids[:3] + wrong, ids[3])
+    assert m.allows_after(ids[:3], ids[3]) and not m.allows_after(ids[:3], wrong[0])
+    assert np.array_equal(m.masks([]), masks[:1])  # still nothing consumed
     assert m.accept(ids) and m.stopped
     assert m.accept([llm.core.loaded.eos_token_ids[0]])  # after the end: only end-of-sequence
     assert not grammar.matcher().accept(wrong)
@@ -63,10 +68,22 @@ def test_grammar_masks_set_forbidden_tokens_to_minus_inf_in_place(use_c: bool) -
     # The runner applies each constrained request's mask to its own rows only.
     host = before.copy()
     params = SamplingParams()
-    sr = ScheduledRequest("a", [1, 2], 0, [0], 2, [9], params, [1], [], [2], grammar_mask=mask)
+    sr = ScheduledRequest("a", [1, 2], 0, [0], 2, [9], params, [1], [], [2], grammar=_FixedMasks(mask))
     plain = ScheduledRequest("b", [1], 0, [1], 1, [], params, [1], [], [2])
-    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [1, 2])
+    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [1, 2], [False, True])
+    assert np.array_equal(host, before)  # a lazy request's rows wait for its argmax
+    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [1, 2], [False, False])
     assert np.array_equal(host[0], before[0]) and np.isfinite(host[1]).sum() == 1
+
+
+class _FixedMasks:
+    """What apply_grammar_masks reads of a GrammarRows, for hand-made masks."""
+
+    def __init__(self, masks: np.ndarray) -> None:
+        self._masks = masks
+
+    def masks(self) -> np.ndarray:
+        return self._masks
 
 
 def test_forced_tokens_are_drafted_and_rejected_drafts_cut() -> None:
@@ -141,3 +158,90 @@ def test_preempted_constrained_requests_resume_where_they_were() -> None:
     assert tight.core.scheduler.num_preemptions > 0  # the matcher outlived its request's KV
     assert [o.token_ids for o in got] == want
     assert not tight.core.structured.matchers
+
+
+ORDER = json.dumps({"type": "object", "properties": {
+    "items": {"type": "array", "items": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "qty": {"type": "integer"},
+        "price": {"type": "number", "minimum": 0}}, "required": ["sku", "qty", "price"]}},
+    "customer": {"type": "string"}, "paid": {"type": "boolean"}}, "required": ["items", "customer", "paid"]})
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, ORDER], ids=["person", "order"])
+def test_allowed_without_a_mask_is_what_the_mask_allows(schema: str) -> None:
+    """GrammarMatcher.allows_after (what lazy masking decides by) against the filled masks, at every state
+    of random walks through the grammar, after a prefix of two tokens: each token it allows the mask keeps
+    (the exactness of lazy masking), and each the mask keeps it allows but end-of-sequence. Where the
+    grammar forces text the mask keeps only its own first token, not another spelling of it."""
+    grammar, llm = _compile(StructuredOutputs(json=schema))
+    tok, vocab = llm.core.tokenizer, llm.core.loaded.vocab_size
+    eos = set(llm.core.loaded.eos_token_ids)
+    blank = {t for t in range(vocab) if not tok.decode([t]).strip()}
+    forced_states = respelled = 0
+    for walk in range(3):
+        rng = random.Random(walk)
+        history: list[int] = []
+        for _ in range(80):
+            m = grammar.matcher()
+            assert m.accept(history[:-2])
+            prefix = history[-2:]
+            mask = m.mask_after(prefix).view(np.uint8)
+            bits = np.unpackbits(mask, axis=1, bitorder="little", count=vocab)[0]
+            allowed = np.flatnonzero(bits).tolist()
+            probe = set(allowed[:40]) | set(rng.sample(range(vocab), 100)) | eos
+            here = grammar.matcher()
+            assert here.accept(history)
+            forced = here.forced()
+            if forced:
+                forced_states += 1
+                text = tok.decode(forced[:1])
+                other = tok.encode(text[:1], add_special_tokens=False)[:1]  # the forced text, spelled shorter
+                if len(text) > 1 and other and other[0] != forced[0]:
+                    probe.add(other[0])
+                    respelled += 1
+            for t in probe:
+                says = m.allows_after(prefix, t)
+                assert not says or bits[t], (t, tok.decode([t]))
+                assert says or not bits[t] or t in eos, (t, tok.decode([t]))
+            if len(allowed) == 1 and allowed[0] in eos:
+                break
+            history.append(rng.choice([t for t in allowed if t not in blank] or allowed))
+    assert forced_states and respelled  # the forced case was checked
+
+
+def test_lazy_masks_give_the_masked_tokens_with_fewer_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constrained greedy with masks filled only where a row's argmax is not allowed equals the same with
+    every row masked first, with and without ngram drafts, batched with a plain request; and fills far
+    fewer masks."""
+    from engine.structured import GrammarMatcher
+
+    filled = {"rows": 0}
+    masks, mask_after = GrammarMatcher.masks, GrammarMatcher.mask_after
+
+    def count_masks(self: GrammarMatcher, drafts: list[int]) -> np.ndarray:
+        filled["rows"] += len(drafts) + 1
+        return masks(self, drafts)
+
+    def count_mask_after(self: GrammarMatcher, prefix: list[int]) -> np.ndarray:
+        filled["rows"] += 1
+        return mask_after(self, prefix)
+
+    monkeypatch.setattr(GrammarMatcher, "masks", count_masks)
+    monkeypatch.setattr(GrammarMatcher, "mask_after", count_mask_after)
+    texts = ["Describe Alice, 30, who is happy, as JSON.", "Write an order for two mugs as JSON.",
+             "Describe Bob as JSON.", "Write a haiku."]
+    params = [SamplingParams(max_tokens=80, temperature=0.0, structured=StructuredOutputs(json=s))
+              for s in (SCHEMA, ORDER, SCHEMA)]
+    params.append(SamplingParams(max_tokens=20, temperature=0.0))
+    for spec in (None, NGRAM):
+        runs = {}
+        for lazy in (False, True):
+            llm = make_llm(speculative_config=spec)
+            llm.core.runner.lazy_grammar_masks = lazy
+            filled["rows"] = 0
+            outs = llm.generate(chat_prompts(llm, texts), params)
+            runs[lazy] = ([o.token_ids for o in outs], filled["rows"])
+            assert all(o.finish_reason in ("stop", "length") for o in outs)
+            json.loads(outs[0].text)
+        assert runs[True][0] == runs[False][0]
+        assert runs[True][1] < runs[False][1] / 3, (runs[True][1], runs[False][1])

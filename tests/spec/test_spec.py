@@ -4,6 +4,7 @@ verification table, proposers, and the acceptance counters."""
 from __future__ import annotations
 
 import functools
+import random
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from engine.spec.config import SpeculativeConfigError, parse_speculative_config
 from engine.spec.ngram import find_ngram_draft
 from engine.spec.proposer import DraftRequest
 from engine.spec.suffix import SuffixProposer
-from engine.spec.verify import verify_greedy
+from engine.spec.verify import verify_greedy, verify_greedy_constrained
 from tests.helpers import CHATS, default_model, make_llm
 
 MAX_TOKENS = 32
@@ -88,6 +89,35 @@ def test_verify_greedy_table(drafts: list[int], target: list[int], expected: lis
 def test_verify_greedy_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError):
         verify_greedy([1, 2], [1, 2])
+    with pytest.raises(ValueError):
+        verify_greedy_constrained([1, 2], [1, 2], lambda i, t: True, lambda i: 0)
+
+
+def test_constrained_verification_without_masks_equals_verification_over_masked_logits() -> None:
+    """Random logits, allowed sets (drafts the grammar forbids included) and ties: masking only where the
+    unmasked argmax is not allowed gives verify_greedy's tokens over the masked rows, and no position past
+    the first rejected draft is asked about."""
+    rng = random.Random(7)
+
+    def argmax(row: list[float], keep: set[int] | None = None) -> int:  # ties to the lowest id
+        return max((t for t in range(len(row)) if keep is None or t in keep), key=lambda t: (row[t], -t))
+
+    for _ in range(3000):
+        vocab, k = rng.randint(2, 6), rng.randint(0, 5)
+        logits = [[float(rng.randint(0, 3)) for _ in range(vocab)] for _ in range(k + 1)]  # many ties
+        allowed = [set(rng.sample(range(vocab), rng.randint(1, vocab))) for _ in range(k + 1)]
+        drafts = [rng.randrange(vocab) for _ in range(k)]
+        want = verify_greedy(drafts, [argmax(r, a) for r, a in zip(logits, allowed, strict=True)])
+        asked: list[int] = []
+
+        def allows(i: int, t: int, allowed: list[set[int]] = allowed, asked: list[int] = asked) -> bool:
+            asked.append(i)
+            return t in allowed[i]
+
+        got = verify_greedy_constrained(drafts, [argmax(r) for r in logits], allows,
+                                        lambda i, lg=logits, al=allowed: argmax(lg[i], al[i]))
+        assert got == want
+        assert asked == list(range(len(got)))
 
 
 @pytest.mark.parametrize(("tokens", "lo", "hi", "k", "expected"), [
