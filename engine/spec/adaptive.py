@@ -29,6 +29,10 @@ from engine.spec.cost_model import StepCostModel
 
 # Probability assumed for a position the request has never reached (before any average of its bucket).
 _PRIOR_ACCEPT = 0.5
+# An exploring step takes at no verification price only draft tokens at least this likely to be reached
+# and accepted: enough of a K spread for the fit where drafts are often right (greedy, copied text), and
+# not sampled requests' deep drafts (~0.1 past their first), which cost a whole row each for nothing.
+_EXPLORE_MIN_REACH = 0.25
 GREEDY = TEMPERATURE_BUCKETS[0]
 
 
@@ -223,8 +227,9 @@ class AdaptiveController:
             return ks
         self._last_rows = num_rows
         # Where nothing prices a draft at this request count, every other step prices verification at
-        # nothing (the proposer's own time still counts): steps with and without drafts side by side
-        # give the fit its spread within a few steps, and the other steps keep the curve's guess.
+        # nothing (the proposer's own time still counts) for drafts likely to be accepted: steps with and
+        # without drafts side by side give the fit its spread within a few steps, and the other steps keep
+        # the curve's guess.
         explore = False
         if self.cost.draft_price_unknown(num_rows):
             self._explore = explore = not self._explore
@@ -247,7 +252,7 @@ class AdaptiveController:
             neg_g, j = heapq.heappop(heap)
             g = -neg_g
             first = taken[j] == 0
-            verify = (self.cost.pooled.min_slope if explore
+            verify = (self.cost.pooled.min_slope if explore and g >= _EXPLORE_MIN_REACH
                       else self.cost.draft_marginal(tokens, num_rows, first))
             marginal = verify + self.draft_cost_per_token
             order.append(j)
@@ -287,6 +292,13 @@ class AdaptiveController:
         acc = self.acceptance
         vain = (self.gate_probes and measured and acc.probes_seen >= self.PROBE_MIN_SEEN
                 and acc.probe_yield * cost <= gain * (first + self.draft_cost_per_token))
+        # A sampled request is probed only where drafts accepted at its temperature bucket's running
+        # averages could pay: a sampled draft is accepted with the target's probability of it, so the
+        # bucket's averages (~0.6, then ~0.1-0.3 at chat temperatures) are what a probe can hope for; under
+        # load (8 requests on 2 cores at 4 bits) probes on that hope cost ~1% of throughput (40 of them in
+        # a 10 s run) for nothing. Greedy requests keep the sure-draft rule: their probes find copied
+        # spans, which are accepted whole.
+        vain_bucket: dict[str, bool] = {}
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
             c = candidates[j]
@@ -295,8 +307,11 @@ class AdaptiveController:
                 continue
             if c.max_k <= 0:
                 continue
+            if c.bucket != GREEDY and not hopeless and measured and c.bucket not in vain_bucket:
+                vain_bucket[c.bucket] = self._hopeless(gain, cost, first, more, c.bucket)
             heavy = c.catch_up > self.max_k + 1  # more than a verification's worth of tokens
-            can_probe = not hopeless and not (heavy and catch_up_probe)
+            can_probe = (not hopeless and not vain_bucket.get(c.bucket, False)
+                         and not (heavy and catch_up_probe))
             if vain and acc.has_evidence(c.request_id):
                 can_probe = False
             if self.acceptance.note_idle(c.request_id, can_probe=can_probe):
@@ -316,11 +331,20 @@ class AdaptiveController:
         more = self.cost.draft_marginal(tokens, num_rows)
         return self._hopeless(float(tokens), self.cost.predict(tokens, num_rows), first, more)
 
-    def _hopeless(self, gain: float, cost: float, first: float, more: float) -> bool:
-        """True when k drafts of one request, all accepted, lower the rate gain / cost for every k
-        (`first`, `more`: verification prices of its first draft token and of each further one)."""
+    def _hopeless(self, gain: float, cost: float, first: float, more: float,
+                  bucket: str | None = None) -> bool:
+        """True when k drafts of one request lower the rate gain / cost for every k (`first`, `more`:
+        verification prices of its first draft token and of each further one): drafts all accepted, or
+        with `bucket`, accepted at that bucket's running averages."""
         d = self.draft_cost_per_token
-        return all(k * cost <= gain * (first + (k - 1) * more + k * d) for k in range(1, self.max_k + 1))
+        expected, reach = 0.0, 1.0
+        for k in range(1, self.max_k + 1):
+            if bucket is not None:
+                reach *= self.acceptance.method_average(k - 1, bucket)
+            expected += reach
+            if expected * cost > gain * (first + (k - 1) * more + k * d):
+                return False
+        return True
 
     def estimates(self) -> dict[str, float]:
         """Current cost-model terms, for the metrics gauges: one-token step, the marginal token at 8 and

@@ -104,29 +104,25 @@ class SpecDecoding:
             stats.spec_cost_estimates = self.adaptive.estimates()
         if k_batch == 0:
             return
+        rows = _decoding_requests(running)
+        if self.adaptive is not None and self.adaptive.drafting_hopeless(rows):
+            # What choose() would say, known before the lookups and before their requests are built.
+            stats.spec_chosen_k = [0] * sum(1 for req in running if self._room(req, k_batch) > 0)
+            return
         reqs: list[DraftRequest] = []
         targets: list[Request] = []
         for req in running:
-            if req.spec_disabled:
+            k = self._room(req, k_batch)
+            if k < 1:
                 continue
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue  # still prefilling
             if self.adaptive is None and not self.proposer.filters_drafts \
                     and not self.backoff.should_draft(req.request_id):
                 continue  # with "auto" the controller does its own back-off and re-probing
-            k = min(k_batch, req.max_tokens - req.num_output_tokens - 1,
-                    self.max_len - req.num_tokens)
-            if k < 1:
-                continue
             reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
                                      kv.block_table(req.request_id), req.cache_salt, req.params))
             targets.append(req)
         if not reqs:
             stats.spec_chosen_k = []
-            return
-        rows = _decoding_requests(running)
-        if self.adaptive is not None and self.adaptive.drafting_hopeless(rows):
-            stats.spec_chosen_k = [0] * len(reqs)  # what choose() would say, without the lookups
             return
         t0 = time.monotonic()
         drafts: list[list[int]] | None = None
@@ -166,6 +162,12 @@ class SpecDecoding:
         stats.spec_propose_seconds = seconds = time.monotonic() - t0
         if self.adaptive is not None:
             self.adaptive.observe_draft(made, seconds)
+
+    def _room(self, req: Request, k_batch: int) -> int:
+        """Drafts `req` may take this step (0: speculation off for it, still prefilling, or no room left)."""
+        if req.spec_disabled or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        return max(0, min(k_batch, req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens))
 
     def _draft(self, reqs: list[DraftRequest], targets: list[Request]) -> list[list[int]]:
         """The proposer's drafts; where a batch fails, each request alone, and one that fails alone

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine.sampling import SamplingParams, temperature_bucket
-from engine.spec.adaptive import AcceptanceEstimator, AdaptiveController, Candidate
+from engine.spec.adaptive import GREEDY, AcceptanceEstimator, AdaptiveController, Candidate
 from engine.spec.cost_model import StepCostModel
 
 
@@ -245,6 +245,28 @@ def test_a_cold_load_level_explores_until_its_drafts_are_priced() -> None:
     assert sum(c2.choose(many2, base_tokens=32, num_rows=32)) == 0
 
 
+def test_exploring_steps_leave_out_drafts_unlikely_to_be_accepted() -> None:
+    # The cold level above with sampled requests' acceptance: their first draft is accepted about half the
+    # time, a later one about a fifth. An exploring step takes each request's first draft (the fit's spread
+    # comes from how many requests draft) and none of the deep ones, which would cost a row each for ~0.1
+    # of a token; with drafts accepted 8 times in 10 it took all four (above).
+    c = AdaptiveController(4, ema=0.02)
+    many = [Candidate(f"r{i}", 4, bucket="(0.5,1]") for i in range(32)]
+    rng = random.Random(0)
+    for cand in many:
+        for _ in range(400):
+            accepted = int(rng.random() < 0.5)
+            accepted += accepted and rng.random() < 0.2
+            c.observe_verification(cand.request_id, 2, accepted, bucket=cand.bucket)
+    for _ in range(5):
+        for tokens, seconds in ((1, 0.055), (2, 0.090), (3, 0.115), (5, 0.165)):
+            c.observe_step(tokens, seconds, num_rows=1)
+    c.observe_step(32, 0.46, num_rows=32, num_drafting=0)
+    assert c.cost.draft_price_unknown(32)
+    ks = c.choose(many, base_tokens=32, num_rows=32)
+    assert ks == [1] * 32
+
+
 def test_acceptance_estimate_is_per_position_and_conditional() -> None:
     est = AcceptanceEstimator(max_k=4, ema=0.5)
     for _ in range(10):
@@ -385,6 +407,35 @@ def test_no_probes_when_even_sure_drafts_cannot_pay() -> None:
     # Cheap drafts with the same history are taken at once.
     c, cands = controller(fixed=0.035, per_token=0.007, accept=1.0, max_k=4, draft=0.0005)
     assert c.choose(cands, base_tokens=1) == [4]
+
+
+def test_sampled_requests_are_not_probed_where_their_buckets_acceptance_cannot_pay() -> None:
+    # 8 requests on a machine like this one at 4 bits: a step 25 ms, a request's first draft 5.7 ms, each
+    # further one 2 ms. Four sure drafts would pay (4 tokens for 11.7 ms against 3.1 ms a token), so
+    # greedy requests are re-probed; sampled ones, whose bucket accepts 6 first drafts in 10 and a
+    # quarter of the later ones, could not gain (at most 0.75 tokens for 7.7 ms), and are not, unless
+    # their bucket's drafts are all accepted.
+    def probes(bucket: str, first: float, later: float) -> int:
+        c = AdaptiveController(4, ema=0.02)
+        rng = random.Random(0)
+        for _ in range(60):  # steps at 8 requests with varied drafting: the fit settles on the prices
+            drafting = rng.randint(0, 4)
+            drafts = drafting + sum(rng.randint(0, 3) for _ in range(drafting))
+            c.observe_step(8 + drafts, 0.025 + 0.0037 * drafting + 0.002 * drafts, num_rows=8,
+                           num_drafting=drafting)
+        for i in range(400):  # earlier requests of the bucket
+            accepted = int(rng.random() < first)
+            while 0 < accepted < 4 and rng.random() < later:
+                accepted += 1
+            c.observe_verification(f"old{i}", 4, accepted, bucket=bucket)
+        cands = [Candidate(f"r{i}", 4, bucket=bucket) for i in range(8)]
+        for cand in cands:  # each request's own first draft was rejected
+            c.observe_verification(cand.request_id, 1, 0, bucket=bucket)
+        return sum(sum(c.choose(cands, base_tokens=8, num_rows=8)) for _ in range(40))
+
+    assert probes("(0.5,1]", 0.6, 0.25) == 0
+    assert probes(GREEDY, 0.6, 0.25) > 0  # greedy: the sure-draft rule
+    assert probes("(0.5,1]", 1.0, 1.0) > 0  # a sampled bucket whose drafts are all accepted: probed
 
 
 def test_hopeless_drafting_is_known_before_any_lookup() -> None:
