@@ -30,8 +30,8 @@ from engine.spec.cost_model import StepCostModel
 # Probability assumed for a position the request has never reached (before any average of its bucket).
 _PRIOR_ACCEPT = 0.5
 # An exploring step takes at no verification price only draft tokens at least this likely to be reached
-# and accepted: enough of a K spread for the fit where drafts are often right (greedy, copied text), and
-# not sampled requests' deep drafts (~0.1 past their first), which cost a whole row each for nothing.
+# and accepted: a K spread for the fit where drafts are often right (greedy, copied text), not sampled
+# requests' deep drafts, which cost a whole row each and are rarely accepted.
 _EXPLORE_MIN_REACH = 0.25
 GREEDY = TEMPERATURE_BUCKETS[0]
 
@@ -294,10 +294,9 @@ class AdaptiveController:
                 and acc.probe_yield * cost <= gain * (first + self.draft_cost_per_token))
         # A sampled request is probed only where drafts accepted at its temperature bucket's running
         # averages could pay: a sampled draft is accepted with the target's probability of it, so the
-        # bucket's averages (~0.6, then ~0.1-0.3 at chat temperatures) are what a probe can hope for; under
-        # load (8 requests on 2 cores at 4 bits) probes on that hope cost ~1% of throughput (40 of them in
-        # a 10 s run) for nothing. Greedy requests keep the sure-draft rule: their probes find copied
-        # spans, which are accepted whole.
+        # bucket's average is what a probe can hope for, and under load probes on a sure draft's hope cost
+        # throughput for nothing. Greedy requests keep the sure-draft rule: their probes find copied spans,
+        # which are accepted whole.
         vain_bucket: dict[str, bool] = {}
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
