@@ -364,6 +364,7 @@ def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) ->
 
 
 def write(docs: dict[str, dict[str, Any]], table: str, out: Path) -> None:
+    from loadtests.report import dumps
     from loadtests.schema import validate
 
     out.mkdir(parents=True, exist_ok=True)
@@ -371,6 +372,6 @@ def write(docs: dict[str, dict[str, Any]], table: str, out: Path) -> None:
         errors = validate(doc)
         if errors:  # a bug here, not in the caller: fail loudly rather than write a bad file
             raise SystemExit(f"{label}: result does not match the schema: " + "; ".join(errors[:5]))
-        (out / f"{slug(label)}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (out / f"{slug(label)}.json").write_text(dumps(doc) + "\n")
     (out / "summary.md").write_text(table + "\n")
     print(f"wrote {len(docs)} results and summary.md to {out}")
