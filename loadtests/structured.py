@@ -135,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
               "precision": plain.core.loaded.precision, "args": vars(args) | {"bench_func": None},
               "rounds": rounds, "median_tokens_per_s": med, "ratios": ratios, "table": table}
     if args.output:
+        from loadtests.report import dumps
+
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        out.write_text(dumps(result))
     return 0
 
 
