@@ -73,6 +73,10 @@ class AcceptanceEstimator:
             b = self._buckets[bucket] = _BucketAcceptance([0] * self.max_k, [0] * self.max_k)
         return b
 
+    def bucket_tries(self, bucket: str, i: int = 0) -> int:
+        """Verdicts at position i over every request of `bucket`."""
+        return self._bucket(bucket).tries[i]
+
     def method_average(self, i: int, bucket: str = GREEDY) -> float:
         """The method's running average at position i over the requests of `bucket` (a bucket no request
         has drafted in yet starts from the flat prior, not from the other buckets' average)."""
@@ -178,6 +182,7 @@ class Candidate:
 
 class AdaptiveController:
     PROBE_MIN_SEEN = 16  # probes back before their yield may stop re-probing
+    BUCKET_MIN_SEEN = 32  # a temperature bucket's first-draft verdicts before its average may stop probes
 
     def __init__(self, max_k: int, ema: float = 0.1, base_probe: int = 4, gate_probes: bool = False) -> None:
         self.max_k = max_k
@@ -296,7 +301,8 @@ class AdaptiveController:
         # averages could pay: a sampled draft is accepted with the target's probability of it, so the
         # bucket's average is what a probe can hope for, and under load probes on a sure draft's hope cost
         # throughput for nothing. Greedy requests keep the sure-draft rule: their probes find copied spans,
-        # which are accepted whole.
+        # which are accepted whole. Not on a bucket's first few verdicts: two early misses would stop its
+        # probes, and with them the verdicts that could lift its average, for good.
         vain_bucket: dict[str, bool] = {}
         catch_up_probe = False
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
@@ -307,7 +313,8 @@ class AdaptiveController:
             if c.max_k <= 0:
                 continue
             if c.bucket != GREEDY and not hopeless and measured and c.bucket not in vain_bucket:
-                vain_bucket[c.bucket] = self._hopeless(gain, cost, first, more, c.bucket)
+                vain_bucket[c.bucket] = (acc.bucket_tries(c.bucket) >= self.BUCKET_MIN_SEEN
+                                         and self._hopeless(gain, cost, first, more, c.bucket))
             heavy = c.catch_up > self.max_k + 1  # more than a verification's worth of tokens
             can_probe = (not hopeless and not vain_bucket.get(c.bucket, False)
                          and not (heavy and catch_up_probe))

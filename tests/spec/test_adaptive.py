@@ -409,33 +409,46 @@ def test_no_probes_when_even_sure_drafts_cannot_pay() -> None:
     assert c.choose(cands, base_tokens=1) == [4]
 
 
-def test_sampled_requests_are_not_probed_where_their_buckets_acceptance_cannot_pay() -> None:
-    # 8 requests on a machine like this one at 4 bits: a step 25 ms, a request's first draft 5.7 ms, each
-    # further one 2 ms. Four sure drafts would pay (4 tokens for 11.7 ms against 3.1 ms a token), so
-    # greedy requests are re-probed; sampled ones, whose bucket accepts 6 first drafts in 10 and a
-    # quarter of the later ones, could not gain (at most 0.75 tokens for 7.7 ms), and are not, unless
-    # their bucket's drafts are all accepted.
-    def probes(bucket: str, first: float, later: float) -> int:
-        c = AdaptiveController(4, ema=0.02)
-        rng = random.Random(0)
-        for _ in range(60):  # steps at 8 requests with varied drafting: the fit settles on the prices
-            drafting = rng.randint(0, 4)
-            drafts = drafting + sum(rng.randint(0, 3) for _ in range(drafting))
-            c.observe_step(8 + drafts, 0.025 + 0.0037 * drafting + 0.002 * drafts, num_rows=8,
-                           num_drafting=drafting)
-        for i in range(400):  # earlier requests of the bucket
-            accepted = int(rng.random() < first)
-            while 0 < accepted < 4 and rng.random() < later:
-                accepted += 1
-            c.observe_verification(f"old{i}", 4, accepted, bucket=bucket)
-        cands = [Candidate(f"r{i}", 4, bucket=bucket) for i in range(8)]
-        for cand in cands:  # each request's own first draft was rejected
-            c.observe_verification(cand.request_id, 1, 0, bucket=bucket)
-        return sum(sum(c.choose(cands, base_tokens=8, num_rows=8)) for _ in range(40))
+def _probes(bucket: str, first: float, later: float, earlier: int = 400) -> int:
+    """Drafts chosen over 40 steps for 8 requests of `bucket` on a machine like this one at 4 bits (a step
+    25 ms, a request's first draft 5.7 ms, each further one 2 ms), after `earlier` verifications of the
+    bucket's earlier requests (first drafts accepted with probability `first`, later ones `later`) and one
+    rejected first draft of each of the 8."""
+    c = AdaptiveController(4, ema=0.02)
+    rng = random.Random(0)
+    for _ in range(60):  # steps at 8 requests with varied drafting: the fit settles on the prices
+        drafting = rng.randint(0, 4)
+        drafts = drafting + sum(rng.randint(0, 3) for _ in range(drafting))
+        c.observe_step(8 + drafts, 0.025 + 0.0037 * drafting + 0.002 * drafts, num_rows=8,
+                       num_drafting=drafting)
+    for i in range(earlier):
+        accepted = int(rng.random() < first)
+        while 0 < accepted < 4 and rng.random() < later:
+            accepted += 1
+        c.observe_verification(f"old{i}", 4, accepted, bucket=bucket)
+    cands = [Candidate(f"r{i}", 4, bucket=bucket) for i in range(8)]
+    for cand in cands:  # each request's own first draft was rejected
+        c.observe_verification(cand.request_id, 1, 0, bucket=bucket)
+    return sum(sum(c.choose(cands, base_tokens=8, num_rows=8)) for _ in range(40))
 
-    assert probes("(0.5,1]", 0.6, 0.25) == 0
-    assert probes(GREEDY, 0.6, 0.25) > 0  # greedy: the sure-draft rule
-    assert probes("(0.5,1]", 1.0, 1.0) > 0  # a sampled bucket whose drafts are all accepted: probed
+
+def test_sampled_requests_are_not_probed_where_their_buckets_acceptance_cannot_pay() -> None:
+    # Four sure drafts would pay (4 tokens for 11.7 ms against 3.1 ms a token), so greedy requests are
+    # re-probed; sampled ones, whose bucket accepts 6 first drafts in 10 and a quarter of the later ones,
+    # could not gain (at most 0.75 tokens for 7.7 ms), and are not, unless their bucket's drafts are all
+    # accepted.
+    assert _probes("(0.5,1]", 0.6, 0.25) == 0
+    assert _probes(GREEDY, 0.6, 0.25) > 0  # greedy: the sure-draft rule
+    assert _probes("(0.5,1]", 1.0, 1.0) > 0  # a sampled bucket whose drafts are all accepted: probed
+
+
+def test_a_sampled_buckets_first_misses_do_not_stop_its_probes() -> None:
+    # The same prices with a bucket that has seen only its 8 requests' first drafts, all rejected: its
+    # average says no draft can pay, but on 8 verdicts, so probes go on until it has enough of them (a
+    # single stream otherwise stopped drafting for a whole run after two early misses).
+    assert _probes("(0.5,1]", 0.6, 0.25, earlier=0) > 0
+    n = AdaptiveController.BUCKET_MIN_SEEN
+    assert _probes("(0.5,1]", 0.0, 0.0, earlier=n) == 0  # enough misses: no probes
 
 
 def test_hopeless_drafting_is_known_before_any_lookup() -> None:
