@@ -166,10 +166,10 @@ class SuffixConfig(_Base):
 
 class _ModelDrafter(_Base):
     # How a drafting model picks sampled requests' drafts (greedy requests always get its argmax).
-    # probabilistic: a draw from its own processed distribution q, verified with min(1, p/q) (the default:
-    # faster from temperature ~0.7 up, where chat traffic runs; docs/performance.md); greedy: its argmax,
-    # verified by the coupled rule, so a seeded request's output is plain decoding's token for token.
-    draft_sample_method: Literal["greedy", "probabilistic"] = "probabilistic"
+    # greedy (the default): its argmax, verified by the coupled rule, so a seeded request's output is plain
+    # decoding's token for token; probabilistic: a draw from its own processed distribution q, verified
+    # with min(1, p/q): accepted more often, but each step costs more (docs/performance.md).
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
 
 
 class DraftModelConfig(_ModelDrafter):

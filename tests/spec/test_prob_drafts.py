@@ -75,10 +75,10 @@ def test_seeded_probabilistic_drafting_replays_and_keeps_greedy_requests_exact(k
     assert m.core.kv.num_free_blocks == m.core.kv.pool.num_blocks
 
 
-def test_draft_sample_method_is_validated_and_defaults_to_probabilistic() -> None:
+def test_draft_sample_method_is_validated_and_defaults_to_greedy() -> None:
     for method in ("mtp", "draft_model"):
         cfg = parse_speculative_config({"method": method, "model": "x", "num_speculative_tokens": 1})
-        assert cfg.draft_sample_method == "probabilistic"
+        assert cfg.draft_sample_method == "greedy"
     with pytest.raises(SpeculativeConfigError, match="draft_sample_method"):
         parse_speculative_config({"method": "mtp", "model": "x", "num_speculative_tokens": 1,
                                   "draft_sample_method": "nucleus"})
