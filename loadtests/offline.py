@@ -39,7 +39,7 @@ from loadtests import modes as modes_mod
 from loadtests.datasets import WorkItem, load_dataset
 from loadtests.prom import SpecCounters, acceptance_summary, merge_spec
 from loadtests.quality import held_out_ids, load_args, precision_list, quality, quality_table
-from loadtests.report import package_versions, slug
+from loadtests.report import dumps, package_versions, slug
 
 SCHEMA_VERSION = 1
 _ENV_PREFIXES = ("SPECSERVE_", "MLX_", "OMP_", "MKL_", "OPENBLAS_", "VECLIB_", "KMP_", "HF_", "TOKENIZERS_")
@@ -364,7 +364,6 @@ def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) ->
 
 
 def write(docs: dict[str, dict[str, Any]], table: str, out: Path) -> None:
-    from loadtests.report import dumps
     from loadtests.schema import validate
 
     out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests.report import dumps
+
 CHAT_ASKS = ["Describe a person called {n} as JSON.", "Give {n}'s profile in JSON.",
              "Write a JSON record for {n}.", "Return JSON about {n}, a customer."]
 NAMES = ["Alice", "Bob", "Carol", "Dan", "Erin", "Frank", "Grace", "Heidi"]
@@ -135,8 +137,6 @@ def run(args: argparse.Namespace) -> int:
               "precision": plain.core.loaded.precision, "args": vars(args) | {"bench_func": None},
               "rounds": rounds, "median_tokens_per_s": med, "ratios": ratios, "table": table}
     if args.output:
-        from loadtests.report import dumps
-
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(dumps(result))

@@ -73,9 +73,9 @@ class AcceptanceEstimator:
             b = self._buckets[bucket] = _BucketAcceptance([0] * self.max_k, [0] * self.max_k)
         return b
 
-    def bucket_tries(self, bucket: str, i: int = 0) -> int:
-        """Verdicts at position i over every request of `bucket`."""
-        return self._bucket(bucket).tries[i]
+    def bucket_tries(self, bucket: str) -> int:
+        """First-draft verdicts over every request of `bucket`."""
+        return self._bucket(bucket).tries[0]
 
     def method_average(self, i: int, bucket: str = GREEDY) -> float:
         """The method's running average at position i over the requests of `bucket` (a bucket no request
