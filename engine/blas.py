@@ -78,7 +78,7 @@ def _small_gemm_before(lib: ctypes.CDLL) -> str:
         max_m = small_gemm.load_before(lib)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return f"off (build failed: {e})"
-    return "rows: all" if max_m else "off (no AVX-512F: calls forwarded)"
+    return "rows: all" if max_m else "off (calls forwarded)"
 
 
 def select_blas() -> BlasInfo:

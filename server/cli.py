@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from engine import platform
+from engine.cpu.build import isa_status
 from server.settings import ServerSettings
 from specserve_configs import server_configs
 
@@ -326,9 +327,9 @@ def serve(settings: ServerSettings) -> int:
     logger.info("model %s (%s), served as %s, dtype %s, max_model_len %d", loaded.name, loaded.path,
                 ", ".join(client.served_model_names), str(loaded.dtype).removeprefix("mlx.core."),
                 core.max_model_len)
-    logger.info("backend: mlx %s on %s, BLAS %s%s, small-M GEMM %s, malloc %s", mx.__version__,
-                mx.default_device(), blas.name, f" ({blas.path})" if blas.path else f" ({blas.reason})",
-                blas.small_gemm, host.malloc)
+    logger.info("backend: mlx %s on %s, C kernels %s, BLAS %s%s, small-M GEMM %s, malloc %s", mx.__version__,
+                mx.default_device(), isa_status(), blas.name,
+                f" ({blas.path})" if blas.path else f" ({blas.reason})", blas.small_gemm, host.malloc)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", core.kv.pool.num_blocks, core.kv.block_size,
                 core.kv.pool.num_blocks * core.kv.block_size)
     if settings.speculative_config:

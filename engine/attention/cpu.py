@@ -1,4 +1,4 @@
-"""Paged attention in C on x86-64 CPUs (engine/cpu/attention.c), the CPU's default attention backend.
+"""Paged attention in C on the CPU (engine/cpu/attention.c), the CPU's default attention backend.
 
 Why: on MLX's CPU backend the reference path (`engine/attention/`: block gather, scores, mask,
 softmax, weighted sum as separate ops, each a pass over memory) grew with every request and query row.
@@ -8,8 +8,8 @@ The C function reads keys and values straight from the head-major cache through 
 It runs between MLX graphs: each layer's call evaluates the layer's queries and the cache (whose new
 rows MLX's scatter has just written), reads both through zero-copy views and hands back the output as
 a new array. Each (token, head) output is computed the same way whatever else is in the step, so
-verification rows get bitwise the attention of one-token decoding. Used where MLX runs on the CPU of an
-x86-64 Linux machine with AVX-512F and the cache is float32 head-major; elsewhere, or with
+verification rows get bitwise the attention of one-token decoding. Used where MLX runs on a CPU with a
+kernel ISA (engine/cpu/build.py) and the cache is float32 head-major; elsewhere, or with
 `--attention-backend reference`, the reference path.
 """
 
@@ -25,22 +25,25 @@ import numpy as np
 
 from engine.attention.reference import paged_attention_reference, random_case, reference_mismatch
 from engine.attention.types import AttentionMetadata
-from engine.cpu.build import build_library, compile_flags, cpu_kernel_reason
+from engine.cpu.build import build_kernel, cpu_kernel_reason, selected_isa
 from engine.cpu.host import host_view, pointer
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "attention.c"
-CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 MAX_THREADS = 64  # threads for a step with much attention work (long prefill; the C code caps at the CPUs)
 
 
-def unsupported_reason() -> str | None:
+def unsupported_reason(isa: str | None = None) -> str | None:
     """Why the C attention cannot run here (None: it can). The cache layout is checked by the engine."""
-    return cpu_kernel_reason(CPU_FEATURES, _lib, "engine/cpu/attention.c")
+    return cpu_kernel_reason(lambda: _lib(isa), "engine/cpu/attention.c", isa)
+
+
+def _lib(isa: str | None = None) -> ctypes.CDLL:
+    return _lib_for(isa or selected_isa())
 
 
 @functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_attention", compile_flags(CPU_FEATURES))))
+def _lib_for(isa: str | None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_kernel(SOURCE, "cpu_attention", isa)))
     fn = lib.cpu_paged_attention
     fn.restype = ctypes.c_int
     i, p = ctypes.c_int, ctypes.c_void_p
@@ -55,6 +58,7 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    isa: str | None = None,
 ) -> mx.array:  # [T, H, D]
     """Same contract as `paged_attention_reference` on a float32 head-major cache."""
     t, h, d = q.shape
@@ -66,7 +70,7 @@ def cpu_paged_attention(
     mx.eval(q, k_cache, v_cache)
     host = meta.host()
     out = np.empty((t, h, d), dtype=np.float32)
-    rc = _lib().cpu_paged_attention(
+    rc = _lib(isa).cpu_paged_attention(
         t, h, hkv, d, *(pointer(host_view(a)) for a in (q, k_cache, v_cache)), slots,
         *(pointer(a) for a in (host.positions, host.token_table, host.tables)), host.block_size, window or 0,
         scale, host.max_context, MAX_THREADS, pointer(out))

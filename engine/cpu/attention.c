@@ -9,48 +9,13 @@
 // step: keys in position order, fixed-order dot products and sums, one max, the same exponential.
 // So a token verified as a draft gets bitwise the attention output it would get decoded alone.
 #define _GNU_SOURCE
-#include <immintrin.h>
+#include "simd.h"
+
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-// 2^x for x <= 0 (inputs below -126 give 0): x = n + f with n = round(x), f in [-0.5, 0.5], 2^f by its
-// degree-6 Taylor polynomial (relative error < 2e-7), scaled by 2^n with vscalefps.
-static inline __m512 exp2_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512 r = _mm512_scalef_ps(p, n);
-    // Below -126 the result would be denormal: 0, as for a key far below the maximum.
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), r);
-}
-
-// 16 vectors -> one vector: lane i holds the sum of the lanes of a[P(i)], P = {0, 4, 8, 12, 1, 5, ...}
-// (a 4 x 4 transpose, its own inverse). A fixed tree: 15 adds and 30 shuffles where 16 separate
-// horizontal sums took ~8 instructions each.
-static inline __m512 reduce16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-}
-static const int REDUCE16_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
 static inline const float *slot_row(const float *cache, const int32_t *table, int bs, int D, int p) {
     return cache + ((size_t)table[p / bs] * bs + p % bs) * D;
@@ -60,21 +25,21 @@ static inline const float *slot_row(const float *cache, const int32_t *table, in
 static inline float softmax2(float *sg, int n) {
     float m = sg[0];
     for (int j = 1; j < n; j++) m = sg[j] > m ? sg[j] : m;
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
+    const vf mv = vset1(m);
+    vf sum = vzero();
     int j = 0;
     for (; j + 16 <= n; j += 16) {
-        const __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv));
-        _mm512_storeu_ps(sg + j, e);
-        sum = _mm512_add_ps(sum, e);
+        const vf e = vexp2_neg(vsub(vload(sg + j), mv));
+        vstore(sg + j, e);
+        sum = vadd(sum, e);
     }
-    if (j < n) {
-        const __mmask16 t = (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(t, exp2_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, sg + j), mv)));
-        _mm512_mask_storeu_ps(sg + j, t, e);
-        sum = _mm512_add_ps(sum, e);
+    if (j < n) {  // the lanes past n are reloaded as 0 before they are summed
+        vf e = vexp2_neg(vsub(vloadn(sg + j, n - j), mv));
+        vstoren(sg + j, e, n - j);
+        e = vloadn(sg + j, n - j);
+        sum = vadd(sum, e);
     }
-    return 1.0f / _mm512_reduce_add_ps(sum);
+    return 1.0f / vhsum(sum);
 }
 
 // One (token, KV head): its G query heads against keys lo..hi-1 (positions), read through the table.
@@ -82,36 +47,35 @@ static inline float softmax2(float *sg, int n) {
 // Per head: scores 16 keys at a time (reduce16), softmax, then the values weighted in key order.
 // NV = D / 16 vectors per row. Inlined with a constant NV the query row and the head's output stay in
 // registers; the arithmetic per output element is the same for every NV and call site.
-static inline __attribute__((always_inline)) void attend(const int NV, int G, const float *q, const float *kc,
+SS_INLINE void attend(const int NV, int G, const float *q, const float *kc,
         const float *vc, const int32_t *table, int bs, int lo, int hi, float scale_log2e, float *s, float *out) {
     const int D = 16 * NV, n = hi - lo;
     for (int g = 0; g < G; g++) {
-        __m512 qv[NV], acc[16], o[NV];
-        for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + (size_t)g * D + 16 * v);
+        vf qv[NV], acc[16], o[NV];
+        for (int v = 0; v < NV; v++) qv[v] = vload(q + (size_t)g * D + 16 * v);
         float *sg = s + (size_t)g * n;
         for (int j0 = 0; j0 < n; j0 += 16) {
             const int cnt = n - j0 < 16 ? n - j0 : 16;
             for (int jj = 0; jj < 16; jj++) {
-                __m512 a = _mm512_setzero_ps();
+                vf a = vzero();
                 if (jj < cnt) {
                     const float *k = slot_row(kc, table, bs, D, lo + j0 + jj);
-                    a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-                    for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a);
+                    a = vmul(qv[0], vload(k));
+                    for (int v = 1; v < NV; v++) a = vfma(qv[v], vload(k + 16 * v), a);
                 }
-                acc[REDUCE16_SLOT[jj]] = a;
+                acc[jj] = a;
             }
-            _mm512_mask_storeu_ps(sg + j0, (__mmask16)((1u << cnt) - 1),
-                                  _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale_log2e)));
+            vstoren(sg + j0, vmul(vhsum16(acc), vset1(scale_log2e)), cnt);
         }
         const float inv = softmax2(sg, n);
-        for (int v = 0; v < NV; v++) o[v] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; v++) o[v] = vzero();
         for (int j = 0; j < n; j++) {
             const float *vr = slot_row(vc, table, bs, D, lo + j);
-            const __m512 w = _mm512_set1_ps(sg[j]);
-            for (int v = 0; v < NV; v++) o[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * v), o[v]);
+            const vf w = vset1(sg[j]);
+            for (int v = 0; v < NV; v++) o[v] = vfma(w, vload(vr + 16 * v), o[v]);
         }
-        const __m512 iv = _mm512_set1_ps(inv);
-        for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + (size_t)g * D + 16 * v, _mm512_mul_ps(o[v], iv));
+        const vf iv = vset1(inv);
+        for (int v = 0; v < NV; v++) vstore(out + (size_t)g * D + 16 * v, vmul(o[v], iv));
     }
 }
 

@@ -1,11 +1,10 @@
-"""Compile the engine's small C libraries (engine/cpu/gemm.c, engine/cpu/attention.c,
-engine/cpu/mtp.c) where they run.
+"""Compile the engine's C kernels (engine/cpu/*.c) where they run, for one instruction set.
 
-Each is built once per (source, compiler, flags, CPU) with the system C compiler into the model cache
-folder, and loaded with ctypes. Only for the instruction-set features the CPU reports: a kernel whose
-features are missing is not built (its caller falls back), and the compiler is told not to use the
-vector extensions the CPU lacks. A library is loaded from the cache only when it and every folder up
-to the cache root belong to this user (or root) and nobody else can write them; otherwise it is built
+Every kernel is written once against engine/cpu/simd.h and built for the ISA `SPECSERVE_CPU_ISA` names
+(auto: the best the CPU reports; avx512, avx2 or neon to force one the CPU can run; off: none, MLX's own
+float32 path). A library is built once per (source, compiler, flags, CPU) with the system C compiler into
+the model cache folder and loaded with ctypes. It is loaded from the cache only when it and every folder
+up to the cache root belong to this user (or root) and nobody else can write them; otherwise it is built
 again in a private temporary folder.
 """
 
@@ -26,26 +25,34 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from engine import envs
 from engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# Built where it runs, so tuned for this CPU (the small GEMM is faster than with generic AVX-512 flags).
-BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+# -ffp-contract=off: no compiler fuses a kernel's scalar code its own way, so every ISA gives the same bits.
+BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 # Hardening that costs these kernels nothing (no stack arrays in the hot loops, a few external calls
 # per kernel call); tools/bench_small_gemm.py shows it.
-HARDENING_FLAGS = ["-fstack-protector-strong", "-D_FORTIFY_SOURCE=2", "-Wl,-z,relro,-z,now"]
+HARDENING_FLAGS = ["-fstack-protector-strong", "-D_FORTIFY_SOURCE=2"]
+_LINUX_HARDENING = ["-Wl,-z,relro,-z,now"]
 # Vector extensions `-march=native` could enable from CPUID although the kernel (or a hypervisor) masks
 # them in /proc/cpuinfo: each one the CPU does not report is switched off (gcc/clang option names).
 # -mno-avx512f also switches off every other AVX-512 subset.
 _GUARDED = {"avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f"}
+# Instruction sets, best first: the CPU features each needs (/proc/cpuinfo names on x86).
+ISA_FEATURES: dict[str, tuple[str, ...]] = {
+    "avx512": ("avx512f", "avx512bw", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "neon": (),
+}
+_X86_ISAS = ("avx512", "avx2")
 
 
-def x86_linux_reason() -> str | None:
-    """Why an x86-64 Linux library cannot be used here (None: it can)."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"x86-64 Linux only (this is {sys.platform}/{platform.machine()})"
-    return None
+def machine() -> str:
+    """x86_64 or arm64 (others as platform.machine() names them)."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "aarch64": "arm64"}.get(m, m)
 
 
 def _cpuinfo() -> str:
@@ -57,16 +64,19 @@ def _cpuinfo() -> str:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The feature flags /proc/cpuinfo reports (empty where there is none)."""
+    """The CPU's feature flags: /proc/cpuinfo's (x86 `flags`, ARM `Features`), on macOS sysctl's (lower
+    case, as /proc/cpuinfo names them); empty where there is neither."""
     for line in _cpuinfo().splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return frozenset(line.partition(":")[2].split())
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                                 capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return frozenset()
+        return frozenset(f.lower().replace(".", "_") for f in out.split())
     return frozenset()
-
-
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists `flag` (False where there is no /proc/cpuinfo)."""
-    return flag in cpu_flags()
 
 
 def missing_features(required: Iterable[str], flags: frozenset[str] | None = None) -> list[str]:
@@ -75,33 +85,91 @@ def missing_features(required: Iterable[str], flags: frozenset[str] | None = Non
     return [f for f in required if f not in have]
 
 
-def feature_reason(required: Iterable[str], flags: frozenset[str] | None = None) -> str | None:
-    """Why a kernel needing `required` cannot be built here (None: it can)."""
-    missing = missing_features(required, flags)
+def isa_reason(isa: str, flags: frozenset[str] | None = None, arch: str | None = None) -> str | None:
+    """Why kernels for `isa` cannot run on this CPU (None: they can)."""
+    arch = arch or machine()
+    if isa == "neon":
+        return None if arch == "arm64" else f"neon needs an ARM64 CPU (this is {arch})"
+    if isa not in _X86_ISAS:
+        return f"unknown instruction set {isa!r}"
+    if arch != "x86_64":
+        return f"{isa} needs an x86-64 CPU (this is {arch})"
+    missing = missing_features(ISA_FEATURES[isa], flags)
     if missing:
         return f"the CPU does not report {', '.join(missing)} (/proc/cpuinfo flags)"
     return None
 
 
-def compile_flags(required: Iterable[str], flags: frozenset[str] | None = None) -> list[str]:
-    """Compiler flags for a kernel that needs the CPU features `required` (cpuinfo names, e.g.
-    "avx512f"); raises RuntimeError when the CPU lacks one of them."""
-    required = list(required)
-    why = feature_reason(required, flags)
+def runnable_isas(flags: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
+    """Every instruction set this CPU can run the kernels in, best first."""
+    return [isa for isa in ISA_FEATURES if isa_reason(isa, flags, arch) is None]
+
+
+def selected_isa() -> str | None:
+    """The instruction set the kernels are built for (SPECSERVE_CPU_ISA; None: off, or none runs here).
+    A forced ISA the CPU cannot run is an error."""
+    choice = envs.get("SPECSERVE_CPU_ISA")
+    if choice == "off":
+        return None
+    if choice == "auto":
+        isas = runnable_isas()
+        return isas[0] if isas else None
+    why = isa_reason(choice)
     if why:
-        raise RuntimeError(why)
+        raise ValueError(f"SPECSERVE_CPU_ISA={choice}: {why}")
+    return choice
+
+
+def isa_status() -> str:
+    """The start-up line: the ISA in use, or why the kernels are off."""
+    try:
+        isa = selected_isa()
+    except ValueError as e:
+        return f"off ({e})"
+    if isa is not None:
+        return isa
+    if envs.get("SPECSERVE_CPU_ISA") == "off":
+        return "off (SPECSERVE_CPU_ISA=off)"
+    return f"off (no kernel instruction set runs on this {machine()} CPU: AVX2 + FMA + F16C, AVX-512 or NEON)"
+
+
+def kernel_reason(isa: str | None = None) -> str | None:
+    """Why the C kernels cannot run here (None: they can): no ISA, or not Linux/macOS."""
+    if sys.platform not in ("linux", "darwin"):
+        return f"Linux and macOS only (this is {sys.platform})"
+    if isa is None:
+        try:
+            isa = selected_isa()
+        except ValueError as e:
+            return str(e)
+    if isa is None:
+        return isa_status()[len("off ("):-1]
+    return None
+
+
+def isa_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
+    """Compiler flags for kernels in `isa` on this CPU (tuned for it: -march/-mcpu=native)."""
+    define = [f"-DSS_ISA_{isa.upper()}"]
+    # Apple's clang has no OpenMP: the kernels then run on one thread (simd.h's stand-ins).
+    base = BASE_FLAGS if sys.platform == "linux" else [f for f in BASE_FLAGS if f != "-fopenmp"]
+    link = _LINUX_HARDENING if sys.platform == "linux" else []
+    if isa == "neon":
+        tune = ["-mcpu=native"] if sys.platform == "linux" else ["-mcpu=apple-m1"]
+        return [*base, *tune, *define, *HARDENING_FLAGS, *link]
     have = cpu_flags() if flags is None else flags
-    enable = [f"-m{_GUARDED.get(f, f)}" for f in required]
-    disable = [f"-mno-{opt}" for f, opt in _GUARDED.items() if f not in have]
-    return [*BASE_FLAGS, *enable, *disable, *HARDENING_FLAGS]
+    need = ISA_FEATURES[isa]
+    enable = [f"-m{_GUARDED.get(f, f)}" for f in need]
+    # Features the CPU lacks, and AVX-512 for a lower ISA forced on an AVX-512 CPU.
+    disable = [f"-mno-{opt}" for f, opt in _GUARDED.items() if f not in have or (f == "avx512f" and isa != "avx512")]
+    return [*base, "-march=native", *define, *enable, *disable, *HARDENING_FLAGS, *link]
 
 
-def cpu_kernel_reason(features: Iterable[str], load: Callable[[], object], source: str) -> str | None:
-    """Why a C kernel that runs between MLX graphs on the CPU cannot run here (None: it can): not x86-64
-    Linux, a CPU feature missing, MLX on a GPU, or `load()` (build and load the library) failing."""
+def cpu_kernel_reason(load: Callable[[], object], source: str, isa: str | None = None) -> str | None:
+    """Why a C kernel that runs between MLX graphs on the CPU cannot run here (None: it can): no kernel
+    ISA, MLX on a GPU, or `load()` (build and load the library) failing."""
     import mlx.core as mx
 
-    why = x86_linux_reason() or feature_reason(features)
+    why = kernel_reason(isa)
     if why:
         return why
     if mx.metal.is_available() or mx.default_device() != mx.cpu:
@@ -111,6 +179,18 @@ def cpu_kernel_reason(features: Iterable[str], load: Callable[[], object], sourc
     except (RuntimeError, OSError) as e:
         return f"could not build {source}: {e}"
     return None
+
+
+def build_kernel(source: Path, name: str, isa: str | None = None, out_dir: Path | None = None) -> Path:
+    """Build one kernel source (with simd.h and the sources it #includes) for `isa` (default: the
+    selected one); returns the library's path. Raises RuntimeError where no ISA runs."""
+    isa = isa or selected_isa()
+    if isa is None:
+        raise RuntimeError(f"no C kernels here: {isa_status()}")
+    here = Path(__file__).parent
+    includes = [here / "simd.h", *sorted(p for p in here.glob("*.c") if p != source and
+                                         f'#include "{p.name}"' in source.read_text())]
+    return build_library(source, f"{name}-{isa}", isa_flags(isa), out_dir, includes=includes)
 
 
 def _cpu_fingerprint() -> str:
@@ -189,7 +269,7 @@ def build_library(source: Path, name: str, flags: list[str], out_dir: Path | Non
     os.close(fd)
     try:
         res = subprocess.run([cc, *flags, str(source), "-o", tmp], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=240)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)

@@ -5,9 +5,9 @@ matmuls with a few rows of activations (1 + K per verifying request, one per dec
 MKL switches from its GEMV path to a far dearer GEMM path from 4 rows on; the kernel here streams the
 weights once for up to 256 rows (prefill chunks included, where it also beats MKL) and takes any row
 count, so that each row gets bitwise the result it would have alone whatever the step's size (see the
-C file; figures: docs/design-notes.md). It is compiled once per source version with the system C
-compiler (`cc`, AVX-512F, OpenMP) into the model cache folder, and must be loaded before libmlx binds
-`cblas_sgemm` (engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off` turns it off.
+C file; figures: docs/design-notes.md). It is compiled once per source version and ISA with the system
+C compiler into the model cache folder, and must be loaded before libmlx binds `cblas_sgemm`
+(engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off` turns it off.
 """
 
 from __future__ import annotations
@@ -16,25 +16,24 @@ import ctypes
 from pathlib import Path
 
 from engine import envs
-from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.build import build_kernel, kernel_reason
 
 SOURCE = Path(__file__).with_name("gemm.c")
 # Every row count: a step over 256 rows (a prefill chunk beside verification rows) left to the BLAS
 # would give its rows other bits than the same rows in a small step.
 MAX_M = 2**31 - 1
-CPU_FEATURES = ("avx512f", "fma")  # what the kernel is compiled for (/proc/cpuinfo names)
 
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot be used on this machine (None: it can)."""
     if envs.get("SPECSERVE_SMALL_GEMM") == "off":
         return "SPECSERVE_SMALL_GEMM=off"
-    return x86_linux_reason() or feature_reason(CPU_FEATURES)
+    return kernel_reason()
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the library if this source version is not built yet; returns its path."""
-    return build_library(SOURCE, "small_gemm", compile_flags(CPU_FEATURES), out_dir)
+def build(isa: str | None = None, out_dir: Path | None = None) -> Path:
+    """Compile the library for `isa` (default: the selected one) if not built yet; returns its path."""
+    return build_kernel(SOURCE, "small_gemm", isa, out_dir)
 
 
 def load_before(blas: ctypes.CDLL) -> int:

@@ -61,13 +61,13 @@ static void matmul_share(const Mat *m, int T, const float *x, const float *xp, f
 
 // y = x / sqrt(mean(x^2) + eps) * g over n values: 16-lane partial sums in order, one fixed reduction.
 static void rms_norm(const float *x, const float *g, int n, float eps, float *y) {
-    __m512 acc = _mm512_setzero_ps();
+    vf acc = vzero();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        const vf v = vload(x + i);
+        acc = vfma(v, v, acc);
     }
-    float ss = _mm512_reduce_add_ps(acc);
+    float ss = vhsum(acc);
     for (; i < n; i++) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
     for (i = 0; i < n; i++) y[i] = x[i] * inv * g[i];
@@ -86,7 +86,12 @@ static void rope(float *v, int d, const float *cs, const float *sn, int traditio
     }
 }
 
-static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+// g[j] = silu(g[j]) * u[j] for j in [j0, j1), 16 lanes at a time (vsilu_mul: the same bits everywhere).
+static void silu_mul_range(float *g, const float *u, int j0, int j1) {
+    int j = j0;
+    for (; j + 16 <= j1; j += 16) vstore(g + j, vsilu_mul(vload(g + j), vload(u + j)));
+    if (j < j1) vstoren(g + j, vsilu_mul(vloadn(g + j, j1 - j), vloadn(u + j, j1 - j)), j1 - j);
+}
 
 // h: [T, hidden] in/out (the embeddings in, the last layer's residual stream out, normed by final_norm). pos, slot: [T];
 // tok_table, tables, bs, max_ctx: as cpu_paged_attention takes them. Returns 0, -1 (out of memory) or
@@ -136,8 +141,7 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
         for (int t = 0; t < T; t++)
             for (int i = 0; i < half; i++) {
                 const float th = (float)pos[t] * m->rope_scale * m->inv_freq[i];
-                cs[(size_t)t * half + i] = cosf(th);
-                sn[(size_t)t * half + i] = sinf(th);
+                ss_sincos(th, sn + (size_t)t * half + i, cs + (size_t)t * half + i);
             }
         const float sl2e = m->scale * 1.4426950408889634f;
 #pragma omp parallel num_threads(nth)
@@ -199,10 +203,7 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
                 matmul_share(&L->gate, T, x, xp, g, buf, n, tid, &j0, &j1);
                 matmul_share(&L->up, T, x, xp, u, buf, n, tid, &j0, &j1);
                 for (int t = 0; t < T; t++)  // this thread's columns of gate and up: no barrier before
-                    for (int j = j0; j < j1; j++) {
-                        float *gv = g + (size_t)t * I + j;
-                        *gv = silu_mul(*gv, u[(size_t)t * I + j]);
-                    }
+                    silu_mul_range(g + (size_t)t * I, u + (size_t)t * I, j0, j1);
 #pragma omp barrier
                 if (gp) {
 #pragma omp for schedule(static)

@@ -1,6 +1,6 @@
 """The decoder layers of llama-family models in C (engine/cpu/layers.c): one call per step on the CPU.
 
-Where MLX runs on an x86-64 CPU with AVX-512, the KV cache is float32 head-major and the C attention is
+Where MLX runs on a CPU with a kernel ISA (engine/cpu/build.py), the KV cache is float32 head-major and the C attention is
 the backend, `build_stack` maps an mlx-lm llama / mistral / qwen2 / qwen3 model's layers onto the C
 structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine 8/4-bit), with the
 embedding lookup and the final RMSNorm where they are the kernels' (CpuEmbedding, RMSNorm); the head
@@ -21,14 +21,13 @@ import numpy as np
 
 from engine import envs
 from engine.attention.types import AttentionMetadata
-from engine.cpu.build import build_library, compile_flags
+from engine.cpu.build import build_kernel, selected_isa
 from engine.cpu.host import host_view
 from engine.cpu.qgemm import FORMATS, PackedWeights
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 from engine.kv.cache import PagedKVCache
 
 SOURCE = Path(__file__).with_name("layers.c")
-CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MAX_THREADS = 64
 
@@ -55,10 +54,8 @@ class _Stack(ctypes.Structure):
 
 
 @functools.cache
-def _lib() -> ctypes.CDLL:
-    includes = [SOURCE.with_name("qgemm.c"), SOURCE.with_name("attention.c")]
-    path = build_library(SOURCE, "cpu_layers", compile_flags(CPU_FEATURES), includes=includes)
-    lib = ctypes.CDLL(str(path))
+def _lib(isa: str | None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_kernel(SOURCE, "cpu_layers", isa)))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.layers_forward.restype = i
     lib.layers_forward.argtypes = [ctypes.POINTER(_Stack), i, p, p, p, p, p, i, i, i]
@@ -99,7 +96,9 @@ def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
 class CpuLayerStack:
     """The model's decoder layers as one C call; `hidden_states` replaces adapter.hidden_states."""
 
-    def __init__(self, model: nn.Module, kv: PagedKVCache, windows: list[int | None]) -> None:
+    def __init__(self, model: nn.Module, kv: PagedKVCache, windows: list[int | None],
+                 isa: str | None = None) -> None:
+        self.lib = _lib(isa or selected_isa())
         self.model = model
         self.kv = kv
         self._keep: list[Any] = []
@@ -184,7 +183,7 @@ class CpuLayerStack:
         host = meta.host()
         slots = np.asarray(meta.slot_mapping, dtype=np.int32)
         t = h.shape[0]
-        rc = _lib().layers_forward(ctypes.byref(self.stack), t, h.ctypes.data, host.positions.ctypes.data,
+        rc = self.lib.layers_forward(ctypes.byref(self.stack), t, h.ctypes.data, host.positions.ctypes.data,
                                    slots.ctypes.data, host.token_table.ctypes.data, host.tables.ctypes.data,
                                    host.block_size, host.max_context, MAX_THREADS)
         if rc != 0:
@@ -209,5 +208,5 @@ def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],
         return CpuLayerStack(model, kv, windows), "C layers"
     except _Unsupported as e:
         return None, str(e)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         return None, f"could not build engine/cpu/layers.c: {e}"

@@ -12,7 +12,8 @@
 // RoPE (split halves), attention over the target's head-major paged KV (keys at positions < the query's),
 // output projection, RMSNorm, SwiGLU MLP, final RMSNorm, reduced-vocabulary head (argmax and its
 // probability), post_projection. Drafts are verified by the target, so rounding never reaches outputs.
-#include <immintrin.h>
+#include "simd.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,13 +36,10 @@ static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, 
         const uint16_t *row = w + (size_t)j * in;
         for (int r = 0; r < n; r++) {
             const float *xr = x + (size_t)r * in;
-            __m512 acc = _mm512_setzero_ps();
-            for (int k = 0; k < full; k += 16) {
-                __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + k)));
-                acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + k), acc);
-            }
-            float s = _mm512_reduce_add_ps(acc);
-            for (int k = full; k < in; k++) s += _cvtsh_ss(row[k]) * xr[k];
+            vf acc = vzero();
+            for (int k = 0; k < full; k += 16) acc = vfma(vload_f16(row + k), vload(xr + k), acc);
+            float s = vhsum(acc);
+            for (int k = full; k < in; k++) s += f16_to_f32(row[k]) * xr[k];
             y[(size_t)r * out + j] = s;
         }
     }

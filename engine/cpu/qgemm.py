@@ -2,8 +2,8 @@
 
 Runs between MLX graphs like the C attention: the activations are evaluated, read through a zero-copy
 view, and the product comes back as a new array. Weights are read in place from the MLX arrays that
-hold them (views taken once, in `PackedWeights`). Used where MLX runs on the CPU of an x86-64 Linux
-machine with AVX-512; elsewhere MLX's own quantized matmul runs (Metal keeps its fast kernels).
+hold them (views taken once, in `PackedWeights`). Used where MLX runs on a CPU with a kernel ISA
+(engine/cpu/build.py); elsewhere MLX's own quantized matmul runs (Metal keeps its fast kernels).
 """
 
 from __future__ import annotations
@@ -16,24 +16,27 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.cpu.build import build_library, compile_flags, cpu_kernel_reason
+from engine.cpu.build import build_kernel, cpu_kernel_reason, selected_isa
 from engine.cpu.host import host_view, pointer
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-CPU_FEATURES = ("avx512f", "avx512bw", "fma", "f16c")
 FORMATS = {"bf16": 1, "f16": 2, "q8": 3, "q4": 4, "f32": 5}
 MAX_GROUPS = 1024  # qgemm.c: groups per weight row
 _SCALE_DTYPES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 
-def unsupported_reason() -> str | None:
+def unsupported_reason(isa: str | None = None) -> str | None:
     """Why the kernel cannot run here (None: it can)."""
-    return cpu_kernel_reason(CPU_FEATURES, _lib, "engine/cpu/qgemm.c")
+    return cpu_kernel_reason(lambda: _lib(isa), "engine/cpu/qgemm.c", isa)
+
+
+def _lib(isa: str | None = None) -> ctypes.CDLL:
+    return _lib_for(isa or selected_isa())
 
 
 @functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library(SOURCE, "qgemm", compile_flags(CPU_FEATURES))))
+def _lib_for(isa: str | None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_kernel(SOURCE, "qgemm", isa)))
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.qgemm.restype = i
     lib.qgemm.argtypes = [i, i, i, i, i, p, i, p, p, p, i, p, i, i]
@@ -86,22 +89,22 @@ class PackedWeights:
             pointer(self.views[2] if len(self.views) > 2 else w)
 
 
-def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0) -> np.ndarray:
+def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0, isa: str | None = None) -> np.ndarray:
     """x: [M, K] float32 (row-contiguous) -> [M, N] float32."""
     m = x.shape[0]
     out = np.empty((m, pw.n), dtype=np.float32)
-    rc = _lib().qgemm(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, pointer(x), x.shape[1], *pw.pointers(),
+    rc = _lib(isa).qgemm(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, pointer(x), x.shape[1], *pw.pointers(),
                       pw.scale_dtype, pointer(out), pw.n, max_threads)
     if rc != 0:
         raise ValueError(f"qgemm refused {pw.fmt} [{pw.n}, {pw.k}] group {pw.group}")
     return out
 
 
-def rows_host(ids: np.ndarray, pw: PackedWeights) -> np.ndarray:
+def rows_host(ids: np.ndarray, pw: PackedWeights, isa: str | None = None) -> np.ndarray:
     """Rows `ids` of the weight matrix as float32 [len(ids), K] (an embedding lookup)."""
     ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
     out = np.empty((ids.size, pw.k), dtype=np.float32)
-    rc = _lib().qgemm_rows(FORMATS[pw.fmt], pw.n, pw.k, pw.group, *pw.pointers(), pw.scale_dtype,
+    rc = _lib(isa).qgemm_rows(FORMATS[pw.fmt], pw.n, pw.k, pw.group, *pw.pointers(), pw.scale_dtype,
                            pointer(ids), ids.size, pointer(out))
     if rc != 0:
         raise ValueError(f"token ids out of range for a [{pw.n}, {pw.k}] table")

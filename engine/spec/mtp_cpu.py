@@ -1,9 +1,9 @@
-"""The trained MTP assistant's draft loop in C on x86-64 CPUs (engine/cpu/mtp.c), for `MTPProposer`.
+"""The trained MTP assistant's draft loop in C on the CPU (engine/cpu/mtp.c), for `MTPProposer`.
 
 Why: through MLX a pass is dozens of small ops, each built in Python and dispatched on its own; the C
 loop runs a whole step's passes with no per-op dispatch (docs/mtp.md; figures: docs/design-notes.md).
 Used where the assistant is a trained one (`specserve_mtp`) reading a float32 head-major KV cache and a
-float32 embedding table (a float32 copy of a target table kept in low precision) on an AVX-512 CPU (no
+float32 embedding table (a float32 copy of a target table kept in low precision) on a CPU with a kernel ISA (no
 sliding window, split-halves RoPE); `"draft_backend":
 "mlx"` in the speculative config keeps the MLX module, which stays the reference:
 tests/spec/test_mtp_smollm2.py checks that both draft the same tokens.
@@ -18,14 +18,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.cpu.build import build_library, compile_flags, feature_reason, x86_linux_reason
+from engine.cpu.build import build_kernel, kernel_reason
 from engine.cpu.host import host_view, pointer
 from engine.kv.cache import PagedKVCache
 from engine.models.mtp_assistant import LoadedAssistant
 from engine.models.mtp_trained import TrainedAssistant
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "mtp.c"
-CPU_FEATURES = ("avx512f", "fma", "f16c")  # what the loop is compiled for (/proc/cpuinfo names)
 
 
 class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
@@ -39,7 +38,7 @@ class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
 def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.Module) -> str | None:
     """Why the C pass cannot serve this assistant here (None: it can); `embed`: the target's token
     embedding."""
-    why = x86_linux_reason() or feature_reason(CPU_FEATURES)
+    why = kernel_reason()
     if why:
         return why
     if mx.default_device() != mx.cpu:
@@ -64,11 +63,11 @@ class CpuAssistant:
     """The assistant's weights as float16 copies (the checkpoint's own values), the target's embedding
     table (a zero-copy view) and the C entry point."""
 
-    def __init__(self, net: TrainedAssistant, embed: nn.Module, embed_scale: float) -> None:
+    def __init__(self, net: TrainedAssistant, embed: nn.Module, embed_scale: float, isa: str | None = None) -> None:
         """`embed`: the target's token embedding, a float32 table (`unsupported_reason` checked)."""
         table = embedding_table(embed)
         assert table is not None
-        self.lib = ctypes.CDLL(str(build_library(SOURCE, "mtp_cpu", compile_flags(CPU_FEATURES))))
+        self.lib = ctypes.CDLL(str(build_kernel(SOURCE, "mtp_cpu", isa)))
         self.lib.mtp_draft.restype = ctypes.c_int
         self.lib.mtp_step.restype = ctypes.c_int
         c = net.config

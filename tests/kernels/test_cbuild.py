@@ -1,6 +1,6 @@
-"""engine/cpu/build.py: C kernels are compiled only for the features the CPU reports, the kernels that need
-AVX-512 report themselves unavailable (and their callers fall back) on a CPU without it, and a cached
-library is loaded only from folders nobody else can write."""
+"""engine/cpu/build.py: the kernels' instruction set follows the CPU's features and SPECSERVE_CPU_ISA, the
+compiler is told exactly that ISA, the kernels report themselves unavailable (and their callers fall back)
+where no ISA runs, and a cached library is loaded only from folders nobody else can write."""
 
 from __future__ import annotations
 
@@ -23,45 +23,69 @@ from engine.cpu import gemm as small_gemm
 
 AVX2_HOST = frozenset(["sse", "sse2", "avx", "avx2", "fma", "f16c"])
 AVX512_HOST = AVX2_HOST | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+OLD_HOST = frozenset(["sse", "sse2", "avx"])  # x86-64 without AVX2 + FMA + F16C
 
 
-def test_compile_flags_follow_the_reported_features() -> None:
-    flags = cbuild.compile_flags(small_gemm.CPU_FEATURES, AVX512_HOST)
-    assert "-mavx512f" in flags and "-mno-avx512f" not in flags
-    # Without AVX-512 nothing asks for it, and -march=native is told not to use it either.
-    flags = cbuild.compile_flags(("fma",), AVX2_HOST)
-    assert "-mavx512f" not in flags and "-mno-avx512f" in flags
-    assert "-mno-avx2" not in flags and "-mno-fma" not in flags
-    assert {"-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"} <= set(cbuild.compile_flags((), frozenset()))
-    for required in (small_gemm.CPU_FEATURES, cpu_attention.CPU_FEATURES):
-        with pytest.raises(RuntimeError, match="avx512f"):
-            cbuild.compile_flags(required, AVX2_HOST)
+def test_isas_follow_the_reported_features() -> None:
+    assert cbuild.runnable_isas(AVX512_HOST, "x86_64") == ["avx512", "avx2"]
+    assert cbuild.runnable_isas(AVX2_HOST, "x86_64") == ["avx2"]
+    assert cbuild.runnable_isas(AVX2_HOST - {"f16c"}, "x86_64") == []
+    assert cbuild.runnable_isas(frozenset(["fp", "asimd"]), "arm64") == ["neon"]
+    assert "avx512f" in (cbuild.isa_reason("avx512", AVX2_HOST, "x86_64") or "")
+    assert "ARM64" in (cbuild.isa_reason("neon", AVX512_HOST, "x86_64") or "")
 
 
-def test_kernels_needing_avx512_are_unavailable_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU whose /proc/cpuinfo lacks avx512f: no kernel is built, each reports why, and the attention
+def test_compile_flags_follow_the_isa_and_the_cpu() -> None:
+    flags = cbuild.isa_flags("avx512", AVX512_HOST)
+    assert {"-mavx512f", "-DSS_ISA_AVX512", "-ffp-contract=off"} <= set(flags) and "-mno-avx512f" not in flags
+    # AVX2 forced on an AVX-512 CPU: -march=native is told not to use AVX-512.
+    flags = cbuild.isa_flags("avx2", AVX512_HOST)
+    assert {"-mavx2", "-mfma", "-mf16c", "-mno-avx512f", "-DSS_ISA_AVX2", "-ffp-contract=off"} <= set(flags)
+    assert "-mavx512f" not in flags
+    flags = cbuild.isa_flags("avx2", AVX2_HOST)
+    assert "-mno-avx512f" in flags and "-mno-avx2" not in flags and "-mno-fma" not in flags
+
+
+def test_selection_auto_forced_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX512_HOST)
+    monkeypatch.setattr(cbuild, "machine", lambda: "x86_64")
+    for value, want in (("auto", "avx512"), ("avx2", "avx2"), ("avx512", "avx512"), ("off", None)):
+        monkeypatch.setenv("SPECSERVE_CPU_ISA", value)
+        assert cbuild.selected_isa() == want
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "off")
+    assert cbuild.isa_status() == "off (SPECSERVE_CPU_ISA=off)"
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX2_HOST)
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="avx512f"):
+        cbuild.selected_isa()
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "sse")
+    with pytest.raises(ValueError, match="expected one of"):
+        cbuild.selected_isa()
+
+
+def test_kernels_are_unavailable_on_a_cpu_without_a_kernel_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An x86-64 CPU without AVX2 + FMA + F16C: no kernel is built, each reports why, and the attention
     selector falls back to the reference path (an explicit `cpu` backend is refused)."""
     from engine.spec import mtp_cpu
 
-    monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX2_HOST)
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda: OLD_HOST)
+    monkeypatch.setattr(cbuild, "machine", lambda: "x86_64")
+    monkeypatch.delenv("SPECSERVE_CPU_ISA", raising=False)
     for why in (small_gemm.unsupported_reason(), cpu_attention.unsupported_reason(),
-                cbuild.feature_reason(mtp_cpu.CPU_FEATURES)):
-        assert why is not None and "avx512f" in why
-    with pytest.raises(RuntimeError, match="avx512f"):
+                mtp_cpu.unsupported_reason(None, None, None)):  # type: ignore[arg-type]
+        assert why is not None and "no kernel instruction set" in why
+    with pytest.raises(RuntimeError, match="no kernel instruction set"):
         small_gemm.build()
     fn, label = select_attention("auto")
-    assert fn is paged_attention_reference and "avx512f" in label
-    with pytest.raises(ValueError, match="avx512f"):
+    assert fn is paged_attention_reference and "no kernel instruction set" in label
+    with pytest.raises(ValueError, match="no kernel instruction set"):
         select_attention("cpu")
 
 
-def test_mtp_c_pass_is_unavailable_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.spec import mtp_cpu
-
-    monkeypatch.setattr(cbuild, "cpu_flags", lambda: AVX2_HOST)
-    # The feature check comes before anything about the assistant is looked at.
-    why = mtp_cpu.unsupported_reason(None, None, None)  # type: ignore[arg-type]
-    assert why is not None and "avx512f" in why
+def test_off_turns_every_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "off")
+    assert "SPECSERVE_CPU_ISA=off" in (small_gemm.unsupported_reason() or "")
+    assert "SPECSERVE_CPU_ISA=off" in (cpu_attention.unsupported_reason() or "")
 
 
 SOURCE = "int answer(void) { return %d; }\n"
@@ -163,8 +187,7 @@ def test_built_kernels_are_hardened() -> None:
     library the engine builds."""
     if cpu_attention.unsupported_reason() is not None:
         pytest.skip(f"C attention unavailable here: {cpu_attention.unsupported_reason()}")
-    flags = cbuild.compile_flags(cpu_attention.CPU_FEATURES)
-    lib = cbuild.build_library(cpu_attention.SOURCE, "cpu_attention", flags)
+    lib = cbuild.build_kernel(cpu_attention.SOURCE, "cpu_attention")
     dyn = subprocess.run(["readelf", "-d", "-W", str(lib)], capture_output=True, text=True, check=True).stdout
     assert "BIND_NOW" in dyn
     segments = subprocess.run(["readelf", "-l", "-W", str(lib)], capture_output=True, text=True,

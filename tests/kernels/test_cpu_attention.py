@@ -30,27 +30,29 @@ def _head_major(a: mx.array) -> mx.array:
 
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize(("bs", "d", "heads", "kv_heads"), [(16, 64, 9, 3), (8, 128, 4, 2), (16, 32, 4, 4)])
-def test_matches_the_dense_reference(window: int | None, bs: int, d: int, heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize(("bs", "d", "heads", "kv_heads"), [(16, 64, 9, 3), (8, 128, 4, 2), (16, 32, 4, 4),
+                                                     (16, 80, 4, 2), (16, 256, 2, 1)])
+def test_matches_the_dense_reference(window: int | None, bs: int, d: int, heads: int, kv_heads: int,
+                                     isa: str) -> None:
     q, kb, vb, meta, chunks = _scenario(7, bs, d, MIX, num_heads=heads, num_kv_heads=kv_heads)
-    got = np.array(cpu_paged_attention(q, _head_major(kb), _head_major(vb), meta, 0.125, window))
+    got = np.array(cpu_paged_attention(q, _head_major(kb), _head_major(vb), meta, 0.125, window, isa=isa))
     want = _dense_reference(q, kb, vb, chunks, 0.125, 0.0, window or 0)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 @needs_kernel
-def test_each_row_is_bitwise_what_it_gets_alone() -> None:
+def test_each_row_is_bitwise_what_it_gets_alone(isa: str) -> None:
     """Why greedy verification stays exact: a token attended inside a mixed step (verifying drafts
     beside other requests' decode rows and a prefill chunk) gets bitwise the output of the same token
     decoded alone."""
     q, kb, vb, meta, chunks = _scenario(11, 16, 64, MIX, num_heads=9, num_kv_heads=3)
     kh, vh = _head_major(kb), _head_major(vb)
-    batch = np.array(cpu_paged_attention(q, kh, vh, meta, 0.125))
+    batch = np.array(cpu_paged_attention(q, kh, vh, meta, 0.125, isa=isa))
     t = 0
     for start, n, table in chunks:
         for j in range(n):
             alone = build_metadata([(start + j, 1, table)], 16)
-            one = np.array(cpu_paged_attention(q[t : t + 1], kh, vh, alone, 0.125))
+            one = np.array(cpu_paged_attention(q[t : t + 1], kh, vh, alone, 0.125, isa=isa))
             assert np.array_equal(one[0], batch[t]), f"token {t} (position {start + j}) differs"
             t += 1
 

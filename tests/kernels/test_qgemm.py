@@ -50,8 +50,8 @@ CASES = [("f32", 0, mx.float32), ("bf16", 0, mx.float32), ("f16", 0, mx.float32)
 
 
 @pytest.mark.parametrize(("fmt", "group", "scale_dtype"), CASES)
-def test_matches_dequantize_then_multiply_every_row_count(fmt: str, group: int,
-                                                          scale_dtype: mx.Dtype) -> None:
+def test_matches_dequantize_then_multiply_every_row_count(fmt: str, group: int, scale_dtype: mx.Dtype,
+                                                          isa: str) -> None:
     n, k = 43, 256  # 43: ten 4-row blocks (21 2-row blocks past 6 rows) and rows left over
     pw, ref_w = make_weights(fmt, n, k, group, scale_dtype)
     rng = np.random.default_rng(1)
@@ -59,21 +59,21 @@ def test_matches_dequantize_then_multiply_every_row_count(fmt: str, group: int,
     full = a.astype(np.float64) @ ref_w.T
     tol = 4e-7 * np.sqrt(k) * np.abs(ref_w).max() * np.abs(a).max() * 4
     for m in range(1, 257):
-        y = qgemm_host(np.ascontiguousarray(a[:m]), pw)
+        y = qgemm_host(np.ascontiguousarray(a[:m]), pw, isa=isa)
         err = np.abs(y - full[:m]).max()
         assert err <= tol, f"{fmt} group {group} M={m}: max error {err:.3g} > {tol:.3g}"
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "q8", "q4"])
 @pytest.mark.parametrize("m", [2, 5, 7, 12, 13, 64, 256])
-def test_rows_are_bitwise_batch_invariant(fmt: str, m: int) -> None:
+def test_rows_are_bitwise_batch_invariant(fmt: str, m: int, isa: str) -> None:
     # 1536 x 576: large enough for the threaded path
     pw, _ = make_weights(fmt, 1536, 576, 0 if fmt in ("f32", "bf16", "f16") else 32)
     a = np.random.default_rng(m).standard_normal((m, 576)).astype(np.float32)
-    full = qgemm_host(a, pw)
-    alone = np.concatenate([qgemm_host(np.ascontiguousarray(a[i : i + 1]), pw) for i in range(m)])
+    full = qgemm_host(a, pw, isa=isa)
+    alone = np.concatenate([qgemm_host(np.ascontiguousarray(a[i : i + 1]), pw, isa=isa) for i in range(m)])
     assert np.array_equal(full, alone)
-    one_thread = qgemm_host(a, pw, max_threads=1)
+    one_thread = qgemm_host(a, pw, max_threads=1, isa=isa)
     assert np.array_equal(full, one_thread)
 
 
@@ -101,11 +101,12 @@ def test_no_rows_give_an_empty_product() -> None:
 
 
 @pytest.mark.parametrize(("fmt", "group", "scale_dtype"), CASES)
-def test_embedding_rows_equal_the_dequantized_table(fmt: str, group: int, scale_dtype: mx.Dtype) -> None:
+def test_embedding_rows_equal_the_dequantized_table(fmt: str, group: int, scale_dtype: mx.Dtype,
+                                                    isa: str) -> None:
     """The embedding lookup reads the table the head multiplies by: each row in its natural order."""
     pw, ref_w = make_weights(fmt, 50, 128, group, scale_dtype)
     ids = np.array([0, 49, 7, 7, 31], dtype=np.int32)
-    got = rows_host(ids, pw)
+    got = rows_host(ids, pw, isa=isa)
     assert got.shape == (5, 128)
     np.testing.assert_allclose(got, ref_w[ids], rtol=2e-7, atol=2e-7 * np.abs(ref_w).max())
     with pytest.raises(ValueError, match="out of range"):

@@ -1,0 +1,244 @@
+// Runs every C kernel on inputs it generates itself (a fixed xorshift stream, so every build sees the same
+// bits) and writes each output as a named record: tests/kernels/test_isa_identity.py builds it for every
+// ISA this machine runs (and for NEON under qemu-user) and compares the records bitwise.
+// Records: u32 name length, name, u64 byte count, bytes. Batch invariance is checked here too: a product
+// of M rows must give each row bitwise the bits of the same row in the 256-row product.
+#include "layers.c"
+
+#include <stdio.h>
+
+int mtp_step(const void *a, int n, const int32_t *tokens, float *hidden, const float *embed, float embed_scale,
+             const int32_t *pos, const int32_t *tables, int table_len, int block_size, const float *kc,
+             const float *vc, long slots, float *logits, float *next_hidden);
+void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc);
+int small_gemm_init(void *blas_sgemm, int want_max_m);
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint64_t next_u64(void) {
+    rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+    return rng * 0x2545F4914F6CDD1Dull;
+}
+static float uniform(void) { return (float)(next_u64() >> 40) / 16777216.0f * 2.0f - 1.0f; }  // exact
+static float *floats(size_t n, float scale) {
+    float *p = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) p[i] = uniform() * scale;
+    return p;
+}
+static uint8_t *bytes(size_t n) {
+    uint8_t *p = malloc(n);
+    for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(next_u64() >> 56);
+    return p;
+}
+// Normal half / bfloat16 values around 2^-4..2^3 (sign random), straight as bits.
+static uint16_t *halves(size_t n, int bf16) {
+    uint16_t *p = malloc(2 * n);
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t r = next_u64();
+        const uint16_t sign = (uint16_t)((r >> 63) << 15);
+        p[i] = bf16 ? (uint16_t)(sign | ((123 + (r >> 8) % 7) << 7) | (r & 0x7F))
+                    : (uint16_t)(sign | ((11 + (r >> 16) % 7) << 10) | (r & 0x3FF));
+    }
+    return p;
+}
+static uint16_t *scale_halves(size_t n, int bf16) {  // positive, small: 2^-7..2^-5
+    uint16_t *p = halves(n, bf16);
+    for (size_t i = 0; i < n; i++)
+        p[i] = bf16 ? (uint16_t)(((120 + i % 3) << 7) | (p[i] & 0x7F)) : (uint16_t)(((8 + i % 3) << 10) | (p[i] & 0x3FF));
+    return p;
+}
+
+static FILE *out;
+static void record(const char *name, const void *data, size_t n) {
+    const uint32_t len = (uint32_t)strlen(name);
+    const uint64_t nb = n;
+    if (getenv("HARNESS_TRACE")) fprintf(stderr, "%s\n", name);
+    fwrite(&len, 4, 1, out), fwrite(name, 1, len, out), fwrite(&nb, 8, 1, out), fwrite(data, 1, n, out);
+}
+static int invariance_failures;
+static void check_rows(const char *what, const float *full, const float *part, int m, int n) {
+    if (memcmp(full, part, sizeof(float) * (size_t)m * n) != 0) {
+        fprintf(stderr, "%s: rows of the %d-row product differ from the same rows among 256\n", what, m);
+        invariance_failures++;
+    }
+}
+
+static void fallback_sgemm(int l, int ta, int tb, int M, int N, int K, float al, const float *A, int lda,
+                           const float *B, int ldb, float be, float *C, int ldc) {
+    (void)l, (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)al, (void)A, (void)lda, (void)B, (void)ldb;
+    (void)be, (void)C, (void)ldc;
+    fprintf(stderr, "small GEMM forwarded a call it should handle\n");
+    invariance_failures++;
+}
+
+static void small_gemm_cases(void) {
+    small_gemm_init((void *)fallback_sgemm, 1 << 30);
+    const int N = 40, K = 37;  // a K tail, an NN strip tail
+    float *A = floats(256 * (size_t)K, 1.0f), *W = floats((size_t)N * K, 1.0f), *B = floats((size_t)K * N, 1.0f);
+    float *full_nt = malloc(sizeof(float) * 256 * N), *full_nn = malloc(sizeof(float) * 256 * N);
+    float *c = malloc(sizeof(float) * 256 * N);
+    cblas_sgemm(101, 111, 112, 256, N, K, 1.0f, A, K, W, K, 0.0f, full_nt, N);
+    cblas_sgemm(101, 111, 111, 256, N, K, 1.0f, A, K, B, N, 0.0f, full_nn, N);
+    record("gemm/nt", full_nt, sizeof(float) * 256 * N);
+    record("gemm/nn", full_nn, sizeof(float) * 256 * N);
+    for (int m = 1; m < 256; m++) {
+        cblas_sgemm(101, 111, 112, m, N, K, 1.0f, A, K, W, K, 0.0f, c, N);
+        check_rows("gemm nt", full_nt, c, m, N);
+        cblas_sgemm(101, 111, 111, m, N, K, 1.0f, A, K, B, N, 0.0f, c, N);
+        check_rows("gemm nn", full_nn, c, m, N);
+    }
+    for (int i = 0; i < 5 * N; i++) c[i] = (float)i;  // alpha, beta
+    cblas_sgemm(101, 111, 112, 5, N, K, 0.5f, A, K, W, K, 2.0f, c, N);
+    record("gemm/alpha_beta", c, sizeof(float) * 5 * N);
+    free(A), free(W), free(B), free(full_nt), free(full_nn), free(c);
+}
+
+static void qgemm_cases(void) {
+    const int N = 21, K = 256;  // five 4-row blocks and a row left over
+    float *A = floats(256 * (size_t)K, 1.0f), *full = malloc(sizeof(float) * 256 * N), *c = malloc(sizeof(float) * 256 * N);
+    const int fmts[] = {FMT_F32, FMT_BF16, FMT_F16, FMT_Q8, FMT_Q4};
+    for (int f = 0; f < 5; f++) {
+        const int fmt = fmts[f], quant = fmt == FMT_Q8 || fmt == FMT_Q4;
+        for (int group = 32; group <= (quant ? 128 : 32); group *= 2)
+            for (int sd = 0; sd < (quant ? 3 : 1); sd++) {
+                const size_t nw = (size_t)N * K, ng = quant ? nw / group : 1;
+                void *w = fmt == FMT_F32 ? (void *)floats(nw, 1.0f)
+                        : fmt == FMT_BF16 || fmt == FMT_F16 ? (void *)halves(nw, fmt == FMT_BF16)
+                        : (void *)bytes(fmt == FMT_Q4 ? nw / 2 : nw);
+                void *s = sd == SC_F32 ? (void *)floats(ng, 0.02f) : (void *)scale_halves(ng, sd == SC_BF16);
+                void *b = sd == SC_F32 ? (void *)floats(ng, 0.5f) : (void *)halves(ng, sd == SC_BF16);
+                char name[64];
+                snprintf(name, sizeof(name), "qgemm/fmt%d/g%d/s%d", fmt, quant ? group : 0, sd);
+                if (qgemm(fmt, 256, N, K, group, A, K, w, s, b, sd, full, N, 0)) {
+                    fprintf(stderr, "%s refused\n", name);
+                    invariance_failures++;
+                }
+                record(name, full, sizeof(float) * 256 * N);
+                for (int m = 1; m < 256; m++) {
+                    qgemm(fmt, m, N, K, group, A, K, w, s, b, sd, c, N, 1);
+                    check_rows(name, full, c, m, N);
+                }
+                const int32_t ids[4] = {0, 20, 7, 7};
+                qgemm_rows(fmt, N, K, group, w, s, b, sd, ids, 4, c);
+                strncat(name, "/rows", sizeof(name) - strlen(name) - 1);
+                record(name, c, sizeof(float) * 4 * K);
+                free(w), free(s), free(b);
+            }
+    }
+    free(A), free(full), free(c);
+}
+
+static void attention_cases(void) {
+    const int heads[] = {32, 64, 80, 128, 256};
+    const int bs = 16, T = 6, H = 4, Hkv = 2, nblocks = 24;
+    const int32_t pos[6] = {0, 5, 16, 17, 40, 300};  // a first token, block edges, a long context
+    for (int hd = 0; hd < 5; hd++)
+        for (int window = 0; window <= 24; window += 24) {
+            const int D = heads[hd];
+            const long S = (long)nblocks * bs;
+            float *q = floats((size_t)T * H * D, 1.0f), *kc = floats((size_t)Hkv * S * D, 1.0f);
+            float *vc = floats((size_t)Hkv * S * D, 1.0f), *o = malloc(sizeof(float) * T * H * D);
+            int32_t tables[24], tok_table[6] = {0, 0, 0, 0, 0, 0};
+            for (int i = 0; i < nblocks; i++) tables[i] = (i * 7) % nblocks;  // a shuffled block table
+            cpu_paged_attention(T, H, Hkv, D, q, kc, vc, S, pos, tok_table, tables, bs, window, 0.125f, 301, 1, o);
+            char name[64];
+            snprintf(name, sizeof(name), "attention/d%d/w%d", D, window);
+            record(name, o, sizeof(float) * T * H * D);
+            free(q), free(kc), free(vc), free(o);
+        }
+}
+
+static Mat mat(int fmt, int n, int k) {
+    const size_t nw = (size_t)n * k, ng = nw / 32;
+    Mat m = {fmt, 32, SC_F16, n, k, NULL, NULL, NULL, NULL};
+    m.w = fmt == FMT_F32 ? (void *)floats(nw, 0.1f) : fmt == FMT_BF16 ? (void *)halves(nw, 1)
+        : (void *)bytes(fmt == FMT_Q4 ? nw / 2 : nw);
+    for (size_t i = 0; fmt == FMT_BF16 && i < nw; i++) ((uint16_t *)m.w)[i] -= 4 << 7;  // 2^-8..2^-1
+    m.scales = scale_halves(ng, 0);
+    m.biases = halves(ng, 0);
+    for (size_t i = 0; i < ng; i++) ((uint16_t *)m.biases)[i] = (uint16_t)((((uint16_t *)m.biases)[i] & 0x83FF) | (5 << 10));
+    return m;
+}
+
+static void layer_cases(void) {
+    const int L = 2, D = 64, H = 4, Hkv = 2, Dh = 32, I = 128, bs = 16, T = 5, nblocks = 8;
+    const long slots = (long)nblocks * bs;
+    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32};
+    for (int f = 0; f < 4; f++) {
+        Layer layers[2];
+        for (int l = 0; l < L; l++) {
+            Layer *y = &layers[l];
+            y->q = mat(fmts[f], H * Dh, D), y->k = mat(fmts[f], Hkv * Dh, D), y->v = mat(fmts[f], Hkv * Dh, D);
+            y->o = mat(fmts[f], D, H * Dh), y->gate = mat(fmts[f], I, D), y->up = mat(fmts[f], I, D);
+            y->down = mat(fmts[f], D, I);
+            y->q.bias = floats(H * Dh, 0.1f);  // qwen2's projection biases
+            y->ln_in = floats(D, 1.0f), y->ln_post = floats(D, 1.0f);
+            y->q_norm = l ? floats(Dh, 1.0f) : NULL, y->k_norm = l ? floats(Dh, 1.0f) : NULL;  // qwen3's
+            y->kc = floats((size_t)Hkv * slots * Dh, 1.0f), y->vc = floats((size_t)Hkv * slots * Dh, 1.0f);
+            y->window = l ? 0 : 6;
+        }
+        float inv_freq[16];
+        for (int i = 0; i < 16; i++) inv_freq[i] = 1.0f / (float)(1 << (i % 12));
+        Stack st = {L, D, H, Hkv, Dh, I, 0, 1e-5f, 0.1767767f, 1.0f, slots, inv_freq, layers, NULL};
+        st.final_norm = floats(D, 1.0f);
+        float *h = floats((size_t)T * D, 1.0f);
+        const int32_t pos[5] = {3, 4, 5, 6, 40}, slot[5] = {3, 4, 5, 6, 40}, tok_table[5] = {0, 0, 0, 0, 0};
+        int32_t tables[8];
+        for (int i = 0; i < nblocks; i++) tables[i] = i;
+        if (layers_forward(&st, T, h, pos, slot, tok_table, tables, bs, 41, 0) != 0) invariance_failures++;
+        char name[64];
+        snprintf(name, sizeof(name), "layers/fmt%d", fmts[f]);
+        record(name, h, sizeof(float) * T * D);
+        for (int l = 0; l < L; l++) {
+            snprintf(name, sizeof(name), "layers/fmt%d/kcache%d", fmts[f], l);
+            record(name, layers[l].kc, sizeof(float) * Hkv * slots * Dh);
+        }
+    }
+}
+
+// engine/cpu/mtp.c's Assistant, field for field.
+typedef struct {
+    int backbone, hidden, heads, kv_heads, head_dim, inter, head_size;
+    float eps, rope_base;
+    const uint16_t *pre, *q, *o, *gate, *up, *down, *head, *post;
+    const float *ln_in, *ln_post, *ln_final;
+} HAssistant;
+
+static void mtp_cases(void) {
+    const int B = 64, d = 48, heads = 3, kvh = 1, hd = 16, inter = 96, hs = 100, bs = 16, n = 2, vocab = 120;
+    HAssistant a = {B, d, heads, kvh, hd, inter, hs, 1e-6f, 10000.0f, halves((size_t)d * 2 * B, 0),
+                    halves((size_t)heads * hd * d, 0), halves((size_t)d * heads * hd, 0), halves((size_t)inter * d, 0),
+                    halves((size_t)inter * d, 0), halves((size_t)d * inter, 0), halves((size_t)hs * d, 0),
+                    halves((size_t)B * d, 0), floats(d, 1.0f), floats(d, 1.0f), floats(d, 1.0f)};
+    uint16_t *mats[] = {(uint16_t *)a.pre, (uint16_t *)a.q, (uint16_t *)a.o, (uint16_t *)a.gate, (uint16_t *)a.up,
+                        (uint16_t *)a.down, (uint16_t *)a.head, (uint16_t *)a.post};
+    const size_t sizes[] = {(size_t)d * 2 * B, (size_t)heads * hd * d, (size_t)d * heads * hd, (size_t)inter * d,
+                            (size_t)inter * d, (size_t)d * inter, (size_t)hs * d, (size_t)B * d};
+    for (int m = 0; m < 8; m++)  // weights of magnitude 2^-6..2^-3
+        for (size_t i = 0; i < sizes[m]; i++) mats[m][i] = (uint16_t)((mats[m][i] & 0x83FF) | ((9 + i % 3) << 10));
+    const long slots = 4 * bs;
+    float *kc = floats((size_t)kvh * slots * hd, 1.0f), *vc = floats((size_t)kvh * slots * hd, 1.0f);
+    float *embed = floats((size_t)vocab * B, 1.0f), *hidden = floats((size_t)n * B, 1.0f);
+    float *logits = malloc(sizeof(float) * n * hs), *next = malloc(sizeof(float) * n * B);
+    const int32_t tokens[2] = {5, 77}, pos[2] = {9, 30}, tables[8] = {2, 0, 3, 1, 1, 2, 0, 3};
+    mtp_step(&a, n, tokens, hidden, embed, 0.5f, pos, tables, 4, bs, kc, vc, slots, logits, next);
+    record("mtp/logits", logits, sizeof(float) * n * hs);
+    record("mtp/hidden", next, sizeof(float) * n * B);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s OUT\n", argv[0]);
+        return 2;
+    }
+    out = fopen(argv[1], "wb");
+    if (!out) return 2;
+    record("isa", SS_ISA_NAME, strlen(SS_ISA_NAME));
+    small_gemm_cases();
+    qgemm_cases();
+    attention_cases();
+    layer_cases();
+    mtp_cases();
+    fclose(out);
+    return invariance_failures ? 1 : 0;
+}
