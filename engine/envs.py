@@ -26,8 +26,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "reference, or the path of a library exporting plain cblas_* symbols"),
     EnvVar("SPECSERVE_SMALL_GEMM", "on", "the small-M GEMM kernel in front of the BLAS (x86-64 Linux)",
            ("on", "off")),
-    EnvVar("SPECSERVE_CPU_ISA", "auto", "the instruction set the C kernels are built for: auto (the best the CPU "
-           "reports), avx512, avx2, neon, or off (no C kernels: MLX's float32 path)",
+    EnvVar("SPECSERVE_CPU_ISA", "auto", "the instruction set the C kernels are built for: auto (the best "
+           "the CPU reports), avx512, avx2, neon, or off (no C kernels: MLX's float32 path)",
            ("auto", "avx512", "avx2", "neon", "off")),
     EnvVar("SPECSERVE_CPU_LAYERS", "on", "llama-family decoder layers in one C call per step on the CPU "
            "(engine/cpu/layers.c); off: the MLX modules", ("on", "off")),

@@ -160,7 +160,8 @@ def isa_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     need = ISA_FEATURES[isa]
     enable = [f"-m{_GUARDED.get(f, f)}" for f in need]
     # Features the CPU lacks, and AVX-512 for a lower ISA forced on an AVX-512 CPU.
-    disable = [f"-mno-{opt}" for f, opt in _GUARDED.items() if f not in have or (f == "avx512f" and isa != "avx512")]
+    disable = [f"-mno-{opt}" for f, opt in _GUARDED.items()
+               if f not in have or (f == "avx512f" and isa != "avx512")]
     return [*base, "-march=native", *define, *enable, *disable, *HARDENING_FLAGS, *link]
 
 

@@ -1,11 +1,11 @@
 """The decoder layers of llama-family models in C (engine/cpu/layers.c): one call per step on the CPU.
 
-Where MLX runs on a CPU with a kernel ISA (engine/cpu/build.py), the KV cache is float32 head-major and the C attention is
-the backend, `build_stack` maps an mlx-lm llama / mistral / qwen2 / qwen3 model's layers onto the C
-structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine 8/4-bit), with the
-embedding lookup and the final RMSNorm where they are the kernels' (CpuEmbedding, RMSNorm); the head
-stays the model's module. Anything else keeps the MLX path, which stays
-the reference the C stack is tested against. `SPECSERVE_CPU_LAYERS=off` turns it off.
+Where MLX runs on a CPU with a kernel ISA (engine/cpu/build.py), the KV cache is float32 head-major and
+the C attention is the backend, `build_stack` maps an mlx-lm llama / mistral / qwen2 / qwen3 model's
+layers onto the C structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine
+8/4-bit), with the embedding lookup and the final RMSNorm where they are the kernels' (CpuEmbedding,
+RMSNorm); the head stays the model's module. Anything else keeps the MLX path, which stays the
+reference the C stack is tested against. `SPECSERVE_CPU_LAYERS=off` turns it off.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Why: through MLX a pass is dozens of small ops, each built in Python and dispatched on its own; the C
 loop runs a whole step's passes with no per-op dispatch (docs/mtp.md; figures: docs/design-notes.md).
 Used where the assistant is a trained one (`specserve_mtp`) reading a float32 head-major KV cache and a
-float32 embedding table (a float32 copy of a target table kept in low precision) on a CPU with a kernel ISA (no
-sliding window, split-halves RoPE); `"draft_backend":
-"mlx"` in the speculative config keeps the MLX module, which stays the reference:
+float32 embedding table (a float32 copy of a target table kept in low precision) on a CPU with a
+kernel ISA (no sliding window, split-halves RoPE); `"draft_backend": "mlx"` in the speculative config
+keeps the MLX module, which stays the reference:
 tests/spec/test_mtp_smollm2.py checks that both draft the same tokens.
 """
 
@@ -63,7 +63,8 @@ class CpuAssistant:
     """The assistant's weights as float16 copies (the checkpoint's own values), the target's embedding
     table (a zero-copy view) and the C entry point."""
 
-    def __init__(self, net: TrainedAssistant, embed: nn.Module, embed_scale: float, isa: str | None = None) -> None:
+    def __init__(self, net: TrainedAssistant, embed: nn.Module, embed_scale: float,
+                 isa: str | None = None) -> None:
         """`embed`: the target's token embedding, a float32 table (`unsupported_reason` checked)."""
         table = embedding_table(embed)
         assert table is not None

@@ -43,8 +43,8 @@ def _run(cmd: list[str], what: str, timeout: int) -> None:
 def _native(isa: str, tmp: Path) -> dict[str, bytes]:
     exe, dump = tmp / f"harness-{isa}", tmp / f"{isa}.bin"
     flags = [f for f in cbuild.isa_flags(isa) if f != "-shared"]
-    _run([os.environ.get("CC", "cc"), *flags, "-I", str(ROOT / "engine/cpu"), *map(str, SOURCES), "-o", str(exe),
-          "-lm"], f"building the harness for {isa}", 300)
+    _run([os.environ.get("CC", "cc"), *flags, "-I", str(ROOT / "engine/cpu"), *map(str, SOURCES),
+          "-o", str(exe), "-lm"], f"building the harness for {isa}", 300)
     _run([str(exe), str(dump)], f"the {isa} harness", 300)
     return _records(dump)
 
@@ -52,8 +52,9 @@ def _native(isa: str, tmp: Path) -> dict[str, bytes]:
 def _neon(tmp: Path) -> dict[str, bytes]:
     exe, dump = tmp / "harness-neon", tmp / "neon.bin"
     # The flags the engine builds NEON kernels with, for a generic ARMv8 target instead of -mcpu=native.
-    _run([CROSS_CC, "-O3", "-fopenmp", "-ffp-contract=off", "-march=armv8-a", "-DSS_ISA_NEON", "-static", "-I",
-          str(ROOT / "engine/cpu"), *map(str, SOURCES), "-o", str(exe), "-lm"], "cross-compiling for NEON", 300)
+    _run([CROSS_CC, "-O3", "-fopenmp", "-ffp-contract=off", "-march=armv8-a", "-DSS_ISA_NEON", "-static",
+          "-I", str(ROOT / "engine/cpu"), *map(str, SOURCES), "-o", str(exe), "-lm"],
+         "cross-compiling for NEON", 300)
     _run([QEMU, str(exe), str(dump)], "the NEON harness under qemu", 600)
     return _records(dump)
 
@@ -81,8 +82,8 @@ def test_every_build_is_batch_invariant_and_names_its_isa(dumps: dict[str, dict[
 
 def test_outputs_are_bitwise_equal_across_isas(dumps: dict[str, dict[str, bytes]]) -> None:
     if len(dumps) < 2:
-        pytest.skip(f"one kernel build here ({', '.join(dumps) or 'none'}): install gcc-aarch64-linux-gnu and "
-                    "qemu-user to compare with NEON")
+        pytest.skip(f"one kernel build here ({', '.join(dumps) or 'none'}): install gcc-aarch64-linux-gnu "
+                    "and qemu-user to compare with NEON")
     names = sorted(dumps)
     base = dumps[names[0]]
     for other in names[1:]:
