@@ -24,6 +24,7 @@ import uvicorn
 
 from engine import platform
 from engine.cpu.build import isa_status
+from engine.cpu.threads import configure as configure_threads
 from server.settings import ServerSettings
 from specserve_configs import server_configs
 
@@ -48,6 +49,7 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--enable-prefix-caching", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
     ("--attention-backend", "attention_backend", {"choices": ["auto", "metal", "cpu", "reference"]}),
     ("--kv-layout", "kv_layout", {"choices": ["auto", "block", "head"]}),
+    ("--cpu-threads", "cpu_threads", {"type": int, "metavar": "N"}),
     ("--speculative-config", "speculative_config", {"metavar": "JSON"}),
     ("--speculative-disable-by-batch-size", "speculative_disable_by_batch_size", {"type": int}),
     ("--per-request-spec-decode-metrics", "per_request_spec_decode_metrics", {"choices": ["off", "summary"]}),
@@ -314,6 +316,7 @@ def serve(settings: ServerSettings) -> int:
         return 1
     host = platform.setup()
     blas = host.blas
+    threads = configure_threads(settings.cpu_threads)
     if settings.async_scheduling:
         logger.warning("--async-scheduling is ignored: the engine schedules synchronously")
     try:
@@ -327,8 +330,9 @@ def serve(settings: ServerSettings) -> int:
     logger.info("model %s (%s), served as %s, dtype %s, max_model_len %d", loaded.name, loaded.path,
                 ", ".join(client.served_model_names), str(loaded.dtype).removeprefix("mlx.core."),
                 core.max_model_len)
-    logger.info("backend: mlx %s on %s, C kernels %s, BLAS %s%s, small-M GEMM %s, malloc %s", mx.__version__,
-                mx.default_device(), isa_status(), blas.name,
+    logger.info("backend: mlx %s on %s, C kernels %s (threads: %s), BLAS %s%s, small-M GEMM %s, malloc %s",
+                mx.__version__, mx.default_device(), isa_status(),
+                threads.fixed or f"up to {threads.cpus}, fewer beside busy processes", blas.name,
                 f" ({blas.path})" if blas.path else f" ({blas.reason})", blas.small_gemm, host.malloc)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", core.kv.pool.num_blocks, core.kv.block_size,
                 core.kv.pool.num_blocks * core.kv.block_size)

@@ -54,8 +54,11 @@ class ServerSettings(BaseModel):
         0.1, description="KV cache size: bytes (2GiB, 512MiB) or a fraction of available memory")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     attention_backend: Literal["auto", "metal", "cpu", "reference"] = Field(
-        "auto", description="paged attention: Metal kernels (Apple GPUs), the C kernel (x86-64 CPUs with "
-                    "AVX-512), the MLX reference path, or auto (the first that runs here)")
+        "auto", description="paged attention: Metal kernels (Apple GPUs), the C kernel (CPUs with AVX2, "
+                    "AVX-512 or NEON), the MLX reference path, or auto (the first that runs here)")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="threads the CPU kernels use (default: the CPUs no other process keeps "
+                                "busy, re-read four times a second)")
     kv_layout: Literal["auto", "block", "head"] = Field(
         "auto", description="KV cache layout: head-major (auto on CPUs) or block-major (what the Metal "
                             "kernels read)")

@@ -27,9 +27,9 @@ from engine.attention.reference import paged_attention_reference, random_case, r
 from engine.attention.types import AttentionMetadata
 from engine.cpu.build import build_kernel, cpu_kernel_reason, selected_isa
 from engine.cpu.host import host_view, pointer
+from engine.cpu.threads import cpu_threads
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "attention.c"
-MAX_THREADS = 64  # threads for a step with much attention work (long prefill; the C code caps at the CPUs)
 
 
 def unsupported_reason(isa: str | None = None) -> str | None:
@@ -73,7 +73,7 @@ def cpu_paged_attention(
     rc = _lib(isa).cpu_paged_attention(
         t, h, hkv, d, *(pointer(host_view(a)) for a in (q, k_cache, v_cache)), slots,
         *(pointer(a) for a in (host.positions, host.token_table, host.tables)), host.block_size, window or 0,
-        scale, host.max_context, MAX_THREADS, pointer(out))
+        scale, host.max_context, cpu_threads().count(), pointer(out))
     if rc != 0:
         raise MemoryError("cpu_paged_attention could not allocate its scratch memory")
     return mx.array(out)

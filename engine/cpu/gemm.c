@@ -44,7 +44,7 @@ typedef void (*kern_fn)(int, const float *, int, const float *, int, float *, in
                         int);
 
 static sgemm_fn fallback;
-static int max_m;
+static int max_m, threads;  // threads: 0 for OpenMP's default
 
 static inline void store(float *c, float v, float alpha, float beta) {
     v *= alpha;
@@ -169,6 +169,9 @@ int small_gemm_init(void *blas_sgemm, int want_max_m) {
 
 const char *small_gemm_isa(void) { return SS_ISA_NAME; }
 
+// The threads larger products are split between (engine/cpu/threads.py; 0: OpenMP's default).
+void small_gemm_threads(int n) { __atomic_store_n(&threads, n, __ATOMIC_RELAXED); }
+
 // NT: balanced chunks of <= WIDE_M_MAX rows per block of WIDE_R weight rows. NN (M > KERNEL_M): chunks
 // of <= KERNEL_M rows over each tile of TILE_N output columns in turn, so the later chunks read the
 // tile from the core's own cache. Per element the arithmetic is unchanged.
@@ -216,7 +219,8 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
         run_groups(tb, M, 0, N, K, A, lda, B, ldb, C, ldc, alpha, beta);
         return;
     }
-#pragma omp parallel
+    const int nth = __atomic_load_n(&threads, __ATOMIC_RELAXED);
+#pragma omp parallel num_threads(nth > 0 ? nth : omp_get_max_threads())
     {
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int per = ((N + nth - 1) / nth + 15) & ~15;

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine import envs
 from engine.cpu.build import build_kernel, kernel_reason
+from engine.cpu.threads import cpu_threads
 
 SOURCE = Path(__file__).with_name("gemm.c")
 # Every row count: a step over 256 rows (a prefill chunk beside verification rows) left to the BLAS
@@ -43,4 +44,6 @@ def load_before(blas: ctypes.CDLL) -> int:
     lib = ctypes.CDLL(str(build()), mode=ctypes.RTLD_GLOBAL)
     lib.small_gemm_init.restype = ctypes.c_int
     lib.small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.small_gemm_threads.argtypes = [ctypes.c_int]
+    cpu_threads().on_change(lib.small_gemm_threads)
     return int(lib.small_gemm_init(ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p), MAX_M))

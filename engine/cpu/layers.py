@@ -25,11 +25,11 @@ from engine.cpu.build import build_kernel, selected_isa
 from engine.cpu.host import host_view
 from engine.cpu.qgemm import FORMATS, PackedWeights
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
+from engine.cpu.threads import cpu_threads
 from engine.kv.cache import PagedKVCache
 
 SOURCE = Path(__file__).with_name("layers.c")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MAX_THREADS = 64
 
 
 class _Mat(ctypes.Structure):
@@ -185,7 +185,7 @@ class CpuLayerStack:
         t = h.shape[0]
         rc = self.lib.layers_forward(ctypes.byref(self.stack), t, h.ctypes.data, host.positions.ctypes.data,
                                    slots.ctypes.data, host.token_table.ctypes.data, host.tables.ctypes.data,
-                                   host.block_size, host.max_context, MAX_THREADS)
+                                   host.block_size, host.max_context, cpu_threads().count())
         if rc != 0:
             raise (MemoryError if rc == -1 else ValueError)(f"layers_forward failed ({rc})")
         return mx.array(h) if self.final_norm else inner.norm(mx.array(h))

@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.cpu.build import build_kernel, cpu_kernel_reason, selected_isa
 from engine.cpu.host import host_view, pointer
+from engine.cpu.threads import cpu_threads
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 FORMATS = {"bf16": 1, "f16": 2, "q8": 3, "q4": 4, "f32": 5}
@@ -119,4 +120,4 @@ def qgemm(x: mx.array, pw: PackedWeights) -> mx.array:
     x2 = mx.contiguous(x.reshape(-1, pw.k).astype(mx.float32))
     mx.eval(x2)
     host = np.asarray(memoryview(x2))
-    return mx.array(qgemm_host(host, pw)).reshape(*lead, pw.n)
+    return mx.array(qgemm_host(host, pw, cpu_threads().count())).reshape(*lead, pw.n)

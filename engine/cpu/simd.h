@@ -94,7 +94,7 @@ SS_INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 #define SS_ISA_NAME "avx2"
 enum { SS_VREGS = 8 };
 typedef struct { __m256 lo, hi; } vf;
-typedef __m128i vq;
+typedef struct { __m256i lo, hi; } vq;  // the bytes of 16 packed 4-bit pairs, one per 32-bit lane
 typedef struct { __m256 s, b; } vtab;
 #define VKEEP(x) ((void)0)  // 16 ymm registers: the compiler's own allocation spills less
 
@@ -146,19 +146,26 @@ SS_INLINE vf vload_bf16(const uint16_t *p) {
 SS_INLINE vf vload_f16(const uint16_t *p) {
     return vf2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
 }
-SS_INLINE vf ss_u8_to_f(__m128i b) {
-    return vf2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b))));
+SS_INLINE vf vload_u8(const uint8_t *p) {
+    return vf2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 }
-SS_INLINE vf vload_u8(const uint8_t *p) { return ss_u8_to_f(_mm_loadu_si128((const __m128i *)p)); }
-SS_INLINE vq vq_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+// Widened straight from memory (two vpmovzxbd): no byte shuffles left for the nibbles.
+SS_INLINE vq vq_load(const uint8_t *p) {
+    vq q = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+    return q;
+}
 // The 4-bit value v dequantized as v * s + b: the AVX-512 table's entry, computed by the same FMA.
 SS_INLINE vtab vtab_make(vf s, vf b) { vtab t = {s.lo, b.lo}; return t; }
-SS_INLINE vf ss_nibbles(__m128i q, vtab t) {
-    const vf x = ss_u8_to_f(q);
-    return vf2(_mm256_fmadd_ps(x.lo, t.s, t.b), _mm256_fmadd_ps(x.hi, t.s, t.b));
+SS_INLINE vf ss_nibbles(__m256i lo, __m256i hi, vtab t) {
+    return vf2(_mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), t.s, t.b), _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), t.s, t.b));
 }
-SS_INLINE vf vq_lo(vq q, vtab t) { return ss_nibbles(_mm_and_si128(q, _mm_set1_epi8(15)), t); }
-SS_INLINE vf vq_hi(vq q, vtab t) { return ss_nibbles(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)), t); }
+SS_INLINE vf vq_lo(vq q, vtab t) {
+    const __m256i m = _mm256_set1_epi32(15);
+    return ss_nibbles(_mm256_and_si256(q.lo, m), _mm256_and_si256(q.hi, m), t);
+}
+SS_INLINE vf vq_hi(vq q, vtab t) { return ss_nibbles(_mm256_srli_epi32(q.lo, 4), _mm256_srli_epi32(q.hi, 4), t); }
 SS_INLINE vf vround(vf x) {
     return vf2(_mm256_round_ps(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                _mm256_round_ps(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -70,7 +70,7 @@ def test_long_chunks_split_over_threads_give_the_same_bits(monkeypatch: pytest.M
     kh, vh = _head_major(kb), _head_major(vb)
     threaded = np.array(cpu_paged_attention(q, kh, vh, meta, 0.125))
     np.testing.assert_allclose(threaded, _dense_reference(q, kb, vb, chunks, 0.125), rtol=2e-5, atol=2e-6)
-    monkeypatch.setattr(ca, "MAX_THREADS", 1)
+    monkeypatch.setattr(ca.cpu_threads(), "fixed", 1)
     assert np.array_equal(np.array(cpu_paged_attention(q, kh, vh, meta, 0.125)), threaded)
 
 
