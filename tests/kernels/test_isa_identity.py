@@ -6,10 +6,13 @@ aarch64 cross-compiler run under qemu-user; the dumps must be bitwise equal."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +65,16 @@ def _neon(tmp: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
     tmp = tmp_path_factory.mktemp("isa")
-    out = {}
+    jobs: dict[str, Callable[[], dict[str, bytes]]] = {}
     if cbuild.machine() == "x86_64":
-        out.update({isa: _native(isa, tmp) for isa in cbuild.runnable_isas()})
+        jobs.update({isa: functools.partial(_native, isa, tmp) for isa in cbuild.runnable_isas()})
     if cbuild.machine() == "arm64":
-        out["neon"] = _native("neon", tmp)
+        jobs["neon"] = functools.partial(_native, "neon", tmp)
     elif shutil.which(CROSS_CC) and shutil.which(QEMU):
-        out["neon"] = _neon(tmp)
-    return out
+        jobs["neon"] = functools.partial(_neon, tmp)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) or 1) as pool:  # the builds are single-threaded
+        futures = {isa: pool.submit(job) for isa, job in jobs.items()}
+        return {isa: f.result() for isa, f in futures.items()}
 
 
 def test_every_build_is_batch_invariant_and_names_its_isa(dumps: dict[str, dict[str, bytes]]) -> None:
