@@ -108,13 +108,17 @@ def runnable_isas(flags: frozenset[str] | None = None, arch: str | None = None) 
 def selected_isa() -> str | None:
     """The instruction set the kernels are built for (SPECSERVE_CPU_ISA; None: off, or none runs here).
     A forced ISA the CPU cannot run is an error."""
-    choice = envs.get("SPECSERVE_CPU_ISA")
+    return _resolve_isa(envs.get("SPECSERVE_CPU_ISA"), cpu_flags(), machine())
+
+
+@functools.cache
+def _resolve_isa(choice: str, flags: frozenset[str], arch: str) -> str | None:  # asked every step
     if choice == "off":
         return None
     if choice == "auto":
-        isas = runnable_isas()
+        isas = runnable_isas(flags, arch)
         return isas[0] if isas else None
-    why = isa_reason(choice)
+    why = isa_reason(choice, flags, arch)
     if why:
         raise ValueError(f"SPECSERVE_CPU_ISA={choice}: {why}")
     return choice

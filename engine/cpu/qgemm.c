@@ -25,16 +25,21 @@ enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 };
 #ifndef QGEMM_PREFETCH
 #define QGEMM_PREFETCH 4096
 #endif
-// Up to MB activation rows go WR weight rows at a time, up to MB2 rows WR2 at a time (each dequantized
-// slice then feeds more FMAs); sized to the vector registers: 4 x 6 and 2 x 12 accumulators in 32 zmm,
-// 2 x 2 and 1 x 6 in 16 ymm (a logical vector is two). Past MB2 rows (prefill) the activations go in
-// chunks of MB rows against WRB weight rows at a time, dequantized once into a buffer that stays in L1.
+// Up to MB2 activation rows dequantize in registers, TILE_R(format, M) weight rows at a time, sized to the
+// vector registers: 4 x 6 and 2 x 12 accumulators in 32 zmm; in 16 ymm (a logical vector is two) at most
+// 2 x 3. Past MB2 rows (prefill) the activations go in chunks of at most CHUNK rows against WRB weight
+// rows at a time, dequantized once into a float32 buffer that stays in L1.
+#ifndef TILE_R
 #if SS_VREGS >= 32
-enum { WR = 4, MB = 6, WR2 = 2, MB2 = 12 };
+#define TILE_R(FMT, M) ((M) <= 6 ? 4 : 2)
+enum { MB2 = 12, CHUNK = 6 };
 #else
-enum { WR = 2, MB = 2, WR2 = 1, MB2 = 6 };
+#define TILE_R(FMT, M) ((FMT) == FMT_F32 ? ((M) <= 3 ? 2 : 1) : (FMT) == FMT_Q4 ? 1 : ((M) <= 2 ? 2 : 1))
+enum { MB2 = 6, CHUNK = 3 };
 #endif
-enum { WRB = 8, PREFETCH_BYTES = QGEMM_PREFETCH };
+#endif
+// WRB: weight rows dequantized into the buffer at a time; SHARE: threads split weight rows in multiples.
+enum { WRB = 8, SHARE = 4, PREFETCH_BYTES = QGEMM_PREFETCH };
 // Groups per weight row the kernel takes (K = 32768 at group 32): their scales sit on the stack.
 enum { MAX_GROUPS = 1024 };
 
@@ -162,9 +167,9 @@ typedef void (*block_fn)(const Weights *, const float *, int, float *, int, int)
         block(FMT, 1, M, W, A, lda, C, ldc, j);                                                         \
     }                                                                                                   \
     static void bw_##FMT##_##M(const Weights *W, const float *A, int lda, float *C, int ldc, int j) {   \
-        block(FMT, (M) > MB ? WR2 : WR, M, W, A, lda, C, ldc, j);                                       \
+        block(FMT, TILE_R(FMT, M), M, W, A, lda, C, ldc, j);                                             \
     }
-// One weight row, and WR weight rows up to MB activation rows (WR2 past it).
+// One weight row, and TILE_R weight rows.
 #define DEF_FMT(FMT) DEF_B(FMT, 1) DEF_B(FMT, 2) DEF_B(FMT, 3) DEF_B(FMT, 4) DEF_B(FMT, 5) DEF_B(FMT, 6)     \
     DEF_B(FMT, 7) DEF_B(FMT, 8) DEF_B(FMT, 9) DEF_B(FMT, 10) DEF_B(FMT, 11) DEF_B(FMT, 12)
 DEF_FMT(1) DEF_FMT(2) DEF_FMT(3) DEF_FMT(4) DEF_FMT(5)
@@ -172,7 +177,7 @@ DEF_FMT(1) DEF_FMT(2) DEF_FMT(3) DEF_FMT(4) DEF_FMT(5)
                    b1_##FMT##_7, b1_##FMT##_8, b1_##FMT##_9, b1_##FMT##_10, b1_##FMT##_11, b1_##FMT##_12},   \
                   {0, bw_##FMT##_1, bw_##FMT##_2, bw_##FMT##_3, bw_##FMT##_4, bw_##FMT##_5, bw_##FMT##_6,    \
                    bw_##FMT##_7, bw_##FMT##_8, bw_##FMT##_9, bw_##FMT##_10, bw_##FMT##_11, bw_##FMT##_12}
-// [format][several weight rows?][M]: M <= MB takes WR weight rows a call, M > MB takes WR2.
+// [format][several weight rows?][M]: one weight row a call, or TILE_R(format, M).
 typedef char mb2_fits[MB2 <= 12 ? 1 : -1];
 static const block_fn BLOCKS[6][2][13] = {{{0}, {0}}, {ROWS(1)}, {ROWS(2)}, {ROWS(3)}, {ROWS(4)}, {ROWS(5)}};
 
@@ -202,13 +207,13 @@ static void dequant_any(const Weights *W, int j, int n, float *buf) {
     }
 }
 
-// Weight rows j0..j1-1 against all M rows. Up to MB2 rows dequantize in registers (WR rows a block up to
-// MB, WR2 past it). More rows go in balanced chunks of <= MB against WRB weight rows at a time; a
-// low-precision block of them is dequantized once into `buf` (WRB * K floats) that every chunk reads from
-// L1: the same values and the same FMA chain per output element as in registers, so the same bits.
+// Weight rows j0..j1-1 against all M rows. Up to MB2 rows dequantize in registers, TILE_R rows a block.
+// More rows go in balanced chunks of <= CHUNK against WRB weight rows at a time; a low-precision block
+// of them is dequantized once into `buf` (WRB * K floats) that every chunk reads from L1: the same values
+// and the same FMA chain per output element as in registers, so the same bits.
 static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda, float *C, int ldc, float *buf) {
     if (M <= MB2) {
-        const int wr = M > MB ? WR2 : WR;
+        const int wr = TILE_R(W->fmt, M);
         for (int j = j0; j < j1; j += wr) {
             const int many = j + wr <= j1;
             const int rend = many ? j + wr : j1;
@@ -216,7 +221,7 @@ static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda
         }
         return;
     }
-    const int chunks = (M + MB - 1) / MB;
+    const int chunks = (M + CHUNK - 1) / CHUNK;
     if (W->fmt == FMT_F32) buf = NULL;
     const Weights F = {FMT_F32, W->K, W->K, SC_F32, 1, (const uint8_t *)buf, NULL, NULL};
     for (int j = j0; j < j1; j += WRB) {
@@ -224,22 +229,23 @@ static void run(const Weights *W, int M, int j0, int j1, const float *A, int lda
         if (buf) dequant_any(W, j, jn, buf);
         for (int c = 0, r0 = 0; c < chunks; c++) {
             const int rows = (M - r0) / (chunks - c);
+            const int fmt = buf ? FMT_F32 : W->fmt, wr = TILE_R(fmt, rows);
             for (int jj = 0; jj < jn;) {
-                const int four = jj + WR <= jn;
+                const int many = jj + wr <= jn;
                 if (buf)
-                    BLOCKS[FMT_F32][four][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + j, ldc, jj);
+                    BLOCKS[FMT_F32][many][rows](&F, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc + j, ldc, jj);
                 else
-                    BLOCKS[W->fmt][four][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, j + jj);
-                jj += four ? WR : 1;
+                    BLOCKS[W->fmt][many][rows](W, A + (size_t)r0 * lda, lda, C + (size_t)r0 * ldc, ldc, j + jj);
+                jj += many ? wr : 1;
             }
             r0 += rows;
         }
     }
 }
 
-// Thread t of n takes weight rows [*j0, *j1): even shares in multiples of WR.
+// Thread t of n takes weight rows [*j0, *j1): even shares in multiples of SHARE.
 static inline void share(int N, int n, int t, int *j0, int *j1) {
-    const int per = ((N + n - 1) / n + WR - 1) / WR * WR;
+    const int per = ((N + n - 1) / n + SHARE - 1) / SHARE * SHARE;
     *j0 = t * per < N ? t * per : N;
     *j1 = *j0 + per < N ? *j0 + per : N;
 }
@@ -276,10 +282,10 @@ int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, cons
         lda = K;
     }
     const size_t bytes = row_bytes(fmt, K) * (size_t)N;
-    // Small products stay on this thread; larger ones split the weight rows evenly, in multiples of WR.
+    // Small products stay on this thread; larger ones split the weight rows evenly, in multiples of SHARE.
     int nth = omp_get_max_threads();
     if (max_threads > 0 && nth > max_threads) nth = max_threads;
-    if (bytes < 65536 || N < 2 * WR || nth < 2) nth = 1;
+    if (bytes < 65536 || N < 2 * SHARE || nth < 2) nth = 1;
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         // Without the buffer (none needed, or malloc failed) every chunk dequantizes in registers: same bits.

@@ -15,5 +15,5 @@ for port in 8101 8102 8103; do
 done
 cd "$(mktemp -d)" && ROUNDS=${ROUNDS:-3} "$OLDPWD/.venv/bin/python" "${SIDE_BY_SIDE:-$OLDPWD/../shared/peers/side_by_side.py}" \
   specserve-q4=8101=SmolLM2-135M-Instruct specserve-f32=8102=SmolLM2-135M-Instruct llama-server-q4_1=8103=x \
-  && cp pair.json "$OLDPWD/results/peers-llamacpp/pair.json"
+  && cp pair.json "${OUT:-$OLDPWD/results/peers-llamacpp/pair.json}"
 kill $P1 $P2 $P3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,8 +22,10 @@ import pytest
 from loadtests.servers import free_port
 from tests.helpers import wait_healthy
 
-# Ray's token authentication for the `ray start` cluster, this driver and the CLI's (read at import).
+# Ray's token authentication for the `ray start` cluster, this driver and the CLI's (read at import). Ray
+# 2.60's `ray start` no longer makes a token itself: this run's own, as `ray get-auth-token --generate` makes.
 os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 ray = pytest.importorskip("ray", reason="the `ray` extra (Ray Serve) is not installed")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
