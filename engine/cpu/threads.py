@@ -9,12 +9,15 @@ Thread counts never change results: every kernel gives the same bits for any thr
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 REFRESH_S = 0.25
+STALE_S = 1.0
 _STAT = Path("/proc/stat")
 
 
@@ -73,14 +76,22 @@ class CpuThreads:
             return
         own = _own_seconds()
         last, self._last = self._last, (now, busy, own)
-        if last is None or now <= last[0]:
+        if last is None or now - last[0] > STALE_S:
+            # After idle time the load then says nothing about now (another server that decoded while
+            # this one waited): start again from all CPUs, and measure afresh.
+            self._others = 0.0
+            self.set_count(self.cpus)
+            return
+        if now <= last[0]:
             return
         others = max(0.0, ((busy - last[1]) - (own - last[2])) / (now - last[0]))
         self._others = 0.5 * self._others + 0.5 * others
-        self.set_count(max(1, self.cpus - int(self._others + 0.5)))
+        # A CPU goes to the others once they keep ~0.6 of one busy (two windows of a busy neighbour).
+        self.set_count(max(1, self.cpus - int(self._others + 0.4)))
 
     def set_count(self, n: int) -> None:
         if n != self._count:
+            logger.debug("CPU kernel threads: %d (other processes keep %.2f CPUs busy)", n, self._others)
             self._count = n
             for fn in self._listeners:
                 fn(n)  # type: ignore[operator]

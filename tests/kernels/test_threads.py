@@ -61,6 +61,22 @@ def test_a_niced_neighbour_is_not_counted() -> None:
         loop.wait()
 
 
+def test_load_seen_while_idle_is_not_held_against_the_next_burst() -> None:
+    """Another server that decoded while this one waited costs the next request nothing: after idle time
+    the count starts again from every CPU (it took a thread for the first half second of each request)."""
+    t = CpuThreads(cpus=8)
+    if _settle(t, 1.2) < 8:
+        pytest.skip(f"other processes keep {t.others:.1f} CPUs busy here; the test needs a quiet machine")
+    loops = [_busy_loop(), _busy_loop()]
+    try:
+        time.sleep(1.5)  # idle: no kernel call asks for a count
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert t.count() == 8
+
+
 def test_fixed_count_is_kept_whatever_the_load() -> None:
     t = CpuThreads(fixed=3, cpus=2)
     assert t.count() == 3
