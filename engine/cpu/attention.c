@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static inline const float *slot_row(const float *cache, const int32_t *table, int bs, int D, int p) {
     return cache + ((size_t)table[p / bs] * bs + p % bs) * D;
@@ -122,9 +123,13 @@ static void *run_items(void *arg) {
 }
 
 static int usable_cpus(void) {
+#ifdef __linux__
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
     const int n = CPU_COUNT(&set);
+#else  // macOS: no affinity masks
+    const int n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+#endif
     return n < 1 ? 1 : n;
 }
 

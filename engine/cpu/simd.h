@@ -85,9 +85,6 @@ SS_INLINE vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 SS_INLINE vf vkeep_ge(vf x, vf t, vf v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, t, _CMP_GE_OQ), v); }
 // a where x >= t, else b.
 SS_INLINE vf vsel_ge(vf x, vf t, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, t, _CMP_GE_OQ), b, a); }
-SS_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
-SS_INLINE void vprefetch_far(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T2); }
-SS_INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
 #elif defined(SS_ISA_AVX2)
 #include <immintrin.h>
@@ -181,9 +178,6 @@ SS_INLINE vf vsel_ge(vf x, vf t, vf a, vf b) {
     return vf2(_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, t.lo, _CMP_GE_OQ)),
                _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, t.hi, _CMP_GE_OQ)));
 }
-SS_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
-SS_INLINE void vprefetch_far(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T2); }
-SS_INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
 #elif defined(SS_ISA_NEON)
 #include <arm_neon.h>
@@ -265,6 +259,12 @@ SS_INLINE void vprefetch_far(const void *p) { __builtin_prefetch(p, 0, 1); }
 SS_INLINE float f16_to_f32(uint16_t h) { __fp16 v; memcpy(&v, &h, 2); return (float)v; }
 #else
 #error "build with -DSS_ISA_AVX512, -DSS_ISA_AVX2 or -DSS_ISA_NEON (engine/cpu/build.py)"
+#endif
+
+#if defined(SS_ISA_AVX512) || defined(SS_ISA_AVX2)
+SS_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+SS_INLINE void vprefetch_far(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T2); }
+SS_INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 #endif
 
 SS_INLINE float bf16_to_f32(uint16_t h) {

@@ -1,6 +1,7 @@
 #!/bin/bash
 # specserve q4 (as stored), specserve float32, llama-server on the same GGUF; side by side, interleaved.
-# Writes pair.json next to this script. LLAMA_SERVER: the llama-server binary (../shared/peers/README.md).
+# Writes pair.json next to this script (OUT: elsewhere). LLAMA_SERVER: the llama-server binary
+# (../shared/peers/README.md).
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 GGUF=$(.venv/bin/python -c "from engine.models.loader import default_gguf_path; print(default_gguf_path())")
 LS=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}
