@@ -124,31 +124,29 @@ def _resolve_isa(choice: str, flags: frozenset[str], arch: str) -> str | None:  
     return choice
 
 
+def _off_reason() -> str | None:
+    """Why no ISA is selected (None: one is)."""
+    try:
+        if selected_isa() is not None:
+            return None
+    except ValueError as e:
+        return str(e)
+    if envs.get("SPECSERVE_CPU_ISA") == "off":
+        return "SPECSERVE_CPU_ISA=off"
+    return f"no kernel instruction set runs on this {machine()} CPU: AVX2 + FMA + F16C, AVX-512 or NEON"
+
+
 def isa_status() -> str:
     """The start-up line: the ISA in use, or why the kernels are off."""
-    try:
-        isa = selected_isa()
-    except ValueError as e:
-        return f"off ({e})"
-    if isa is not None:
-        return isa
-    if envs.get("SPECSERVE_CPU_ISA") == "off":
-        return "off (SPECSERVE_CPU_ISA=off)"
-    return f"off (no kernel instruction set runs on this {machine()} CPU: AVX2 + FMA + F16C, AVX-512 or NEON)"
+    why = _off_reason()
+    return f"off ({why})" if why else str(selected_isa())
 
 
 def kernel_reason(isa: str | None = None) -> str | None:
     """Why the C kernels cannot run here (None: they can): no ISA, or not Linux/macOS."""
     if sys.platform not in ("linux", "darwin"):
         return f"Linux and macOS only (this is {sys.platform})"
-    if isa is None:
-        try:
-            isa = selected_isa()
-        except ValueError as e:
-            return str(e)
-    if isa is None:
-        return isa_status()[len("off ("):-1]
-    return None
+    return None if isa is not None else _off_reason()
 
 
 def isa_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class CpuThreads:
         self._count = fixed or self.cpus
         self._others = 0.0  # CPUs other processes kept busy, smoothed
         self._last: tuple[float, float, float] | None = None  # (wall, all busy, ours)
-        self._listeners: list[object] = []
+        self._listeners: list[Callable[[int], object]] = []
 
     def count(self) -> int:
         if self.fixed is not None:
@@ -94,12 +95,12 @@ class CpuThreads:
             logger.debug("CPU kernel threads: %d (other processes keep %.2f CPUs busy)", n, self._others)
             self._count = n
             for fn in self._listeners:
-                fn(n)  # type: ignore[operator]
+                fn(n)
 
-    def on_change(self, fn: object) -> None:
+    def on_change(self, fn: Callable[[int], object]) -> None:
         """Call fn(count) whenever the count changes (the small-M GEMM keeps its own copy)."""
         self._listeners.append(fn)
-        fn(self.count())  # type: ignore[operator]
+        fn(self.count())
 
     @property
     def others(self) -> float:
