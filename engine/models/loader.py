@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.config import DType, cache_dir
+from engine.models.hf_config import mlx_config
 from engine.models.weights import WeightPlan, apply_plan, precision_name
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,9 @@ def load_model(
         folder = None
         name = path.stem
     else:
-        net, config = mlx_load_model(path, lazy=True)
+        from mlx_lm.utils import load_config
+
+        net, config = mlx_load_model(path, lazy=True, model_config=mlx_config(load_config(path)))
         tokenizer = load_tokenizer(path, chat_template)
         folder = path
         name = DEFAULT_MODEL_NAME if source == "default" else (model if source == "hub" else path.name)

@@ -24,6 +24,7 @@ from mlx.utils import tree_map_with_path
 from engine.attention.types import AttentionMetadata
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
+from engine.models.hf_config import mlx_config
 from engine.models.loader import LoadedModel, materialize
 from engine.models.mtp_trained import check_config, id_out_of_range, load_trained
 
@@ -221,7 +222,7 @@ def load_assistant(path: str, target: LoadedModel, revision: str | None = None,
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise _fail(f"{path!r} is not a folder with a config.json")
-    config = json.loads(cfg_file.read_text())
+    config = mlx_config(json.loads(cfg_file.read_text()))
     if config.get("model_type") == "specserve_mtp":
         return _load_trained(folder, config, target)
     targs = target.model.args

@@ -70,13 +70,7 @@ def make_gemma4(folder: Path, kind: str, seed: int = 0) -> Any:
                            final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=1, bos_token_id=2, **kw)
     model = Gemma4ForCausalLM(cfg).eval()
     scale_weights(model)
-    save_with_default_tokenizer(model, folder)
-    # transformers folds these into per_layer_config and does not write them; mlx-lm reads them.
-    config = json.loads((folder / "config.json").read_text())
-    config["global_head_dim"] = GLOBAL_HEAD_DIM
-    if "num_global_key_value_heads" in kw:
-        config["num_global_key_value_heads"] = kw["num_global_key_value_heads"]
-    (folder / "config.json").write_text(json.dumps(config))
+    save_with_default_tokenizer(model, folder)  # the config exactly as transformers writes it
     return model
 
 
@@ -262,3 +256,23 @@ def test_the_multimodal_wrapper_serves_its_text_model(tmp_path: Path) -> None:
     (got,) = _logits(_core(loaded), [(ids, 0, list(range(8)))])
     want = _reference(reference, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"0": {"head_dim": 32}}, "sliding layer 0"),
+    ({"4": {"head_dim": 32, "rope_theta": 5.0}}, "rope_theta"),
+    ({"4": {"head_dim": 32}, "9": {"head_dim": 64}}, "different shapes"),
+    ({"4": {"num_key_value_heads": 2}, "9": {"num_key_value_heads": 2}}, "without attention_k_eq_v"),
+])
+def test_per_layer_config_beyond_mlx_lm_is_refused(tmp_path: Path, override: dict, match: str) -> None:
+    from transformers import Gemma4TextConfig
+
+    kw = dict(KINDS["e2b"])
+    Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=10,
+                     head_dim=HEAD_DIM, global_head_dim=GLOBAL_HEAD_DIM, **kw).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["per_layer_config"] and "global_head_dim" not in cfg  # what transformers writes
+    cfg["per_layer_config"] = override
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        load_model(str(tmp_path), dtype="float32", progress=False)

@@ -36,7 +36,6 @@ COMMON = dict(vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2, he
 
 
 def _patch_config(folder: Path, extra: dict[str, Any], text: bool) -> None:
-    # transformers folds global_head_dim into per_layer_config and does not write it; mlx-lm reads it.
     cfg = json.loads((folder / "config.json").read_text())
     (cfg["text_config"] if text else cfg).update(extra)
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -64,7 +63,6 @@ def make_pair(root: Path, seed: int = 0, ordered: bool = False, target_kind: str
         target = Gemma4ForCausalLM(tcfg).eval()
         scale_weights(target)
         save_with_default_tokenizer(target, tdir)
-        _patch_config(tdir, {"global_head_dim": 16}, text=False)
         global_head_dim = 16
     else:
         from tests.engine.test_gemma4 import GLOBAL_HEAD_DIM, KINDS, make_gemma4
@@ -99,11 +97,7 @@ def make_pair(root: Path, seed: int = 0, ordered: bool = False, target_kind: str
     if ordered:
         assistant.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
     adir = root / "assistant"
-    assistant.save_pretrained(adir)
-    extra = {"global_head_dim": global_head_dim}
-    if "num_global_key_value_heads" in text:
-        extra["num_global_key_value_heads"] = text["num_global_key_value_heads"]
-    _patch_config(adir, extra, text=True)
+    assistant.save_pretrained(adir)  # the config exactly as transformers writes it
     return tdir, adir, target, assistant
 
 
