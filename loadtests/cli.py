@@ -107,6 +107,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--output-dir", default=None, help="write one JSON per mode and summary.md here")
+    p.add_argument("--digest-token-ids", action="store_true",
+                   help="write each output's token ids as a sha256 digest and prompts without theirs "
+                        "(results to commit: the same comparisons, a fraction of the bytes)")
     p.set_defaults(bench_func=offline.run)
 
     from loadtests import replicas, scale_sim, structured

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         table += "\n\n" + quality_table({p: (targets[p].precision, q) for p, q in qualities.items()})
     print("\n" + table)
     if args.output_dir:
-        write(all_docs, table, Path(args.output_dir))
+        write(all_docs, table, Path(args.output_dir), digest=args.digest_token_ids)
     return 1 if any(r["same_ids"] is False for r in all_rows) else 0
 
 
@@ -363,11 +364,27 @@ def summary_table(rows: list[dict[str, Any]], with_temperature: bool = False) ->
     return "\n".join(lines)
 
 
-def write(docs: dict[str, dict[str, Any]], table: str, out: Path) -> None:
+def token_digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
+def digest_token_ids(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with each run's output token ids as digests (equal outputs, equal digests) and the prompts'
+    token ids dropped where their text or messages say what was sent."""
+    runs = [{k: v for k, v in r.items() if k != "token_ids"}
+            | {"token_ids_sha256": [token_digest(t) for t in r["token_ids"]]} if "token_ids" in r else r
+            for r in doc["runs"]]
+    prompts = [{k: v for k, v in p.items() if k != "token_ids"} if ("text" in p or "messages" in p) else p
+               for p in doc["prompts"]]
+    return {**doc, "runs": runs, "prompts": prompts}
+
+
+def write(docs: dict[str, dict[str, Any]], table: str, out: Path, digest: bool = False) -> None:
     from loadtests.schema import validate
 
     out.mkdir(parents=True, exist_ok=True)
     for label, doc in docs.items():
+        doc = digest_token_ids(doc) if digest else doc
         errors = validate(doc)
         if errors:  # a bug here, not in the caller: fail loudly rather than write a bad file
             raise SystemExit(f"{label}: result does not match the schema: " + "; ".join(errors[:5]))

@@ -157,3 +157,25 @@ def test_precisions_run_every_mode_at_each_with_quality(tmp_path: Path) -> None:
     assert "x float32 off" in table and "top-1 agreement with float32" in table
     with pytest.raises(SystemExit, match="--precisions"):
         main(["bench", "offline", "--precisions", "float32,int3"])
+
+
+def test_digested_results_keep_the_comparisons(results: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    from loadtests.offline import digest_token_ids, token_digest, write
+
+    docs = {label: results[label] for label in ("off", "ngram")}
+    write(docs, "table", tmp_path, digest=True)
+    for label, doc in docs.items():
+        small = json.loads((tmp_path / f"{label}.json").read_text())
+        assert validate(small) == [] and validate(small, use_jsonschema=False) == []
+        assert "token_ids" not in small["runs"][0] and all("token_ids" not in p for p in small["prompts"])
+        assert small["runs"][0]["token_ids_sha256"] == [token_digest(t) for t in doc["runs"][0]["token_ids"]]
+        assert len((tmp_path / f"{label}.json").read_text()) < len(json.dumps(doc))
+    off, ngram = (json.loads((tmp_path / f"{x}.json").read_text()) for x in ("off", "ngram"))
+    assert off["runs"][0]["token_ids_sha256"] == ngram["runs"][0]["token_ids_sha256"]  # greedy: same outputs
+    changed = copy.deepcopy(docs["off"])
+    changed["runs"][0]["token_ids"][0][-1] += 1
+    first = digest_token_ids(changed)["runs"][0]["token_ids_sha256"][0]
+    assert first != off["runs"][0]["token_ids_sha256"][0]
+    bare = copy.deepcopy(off)
+    del bare["runs"][0]["token_ids_sha256"]
+    assert any("neither token_ids" in e for e in validate(bare)), validate(bare)
