@@ -15,6 +15,7 @@ from typing import Any
 from server.errors import bad_request
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 
 
 @dataclass(slots=True)
@@ -75,26 +76,66 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
+# Calls a parallel "required" list may hold: a forced list cannot end at end-of-sequence, and a model that
+# repeats its call must still reach the closing bracket.
+MAX_PARALLEL_CALLS = 4
+# Forced calls are written without layout whitespace: fewer tokens, and no room for a whitespace loop.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def forced_schema(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
     """The JSON schema the output must match when a call is forced: a named function's arguments, or for
-    "required" a list of one or more {"name", "parameters"} objects, each against its function."""
+    "required" a list of {"name", "parameters"} objects, each against its function (one with `parallel`
+    false, up to MAX_PARALLEL_CALLS otherwise). Either is written as compact JSON."""
     if choice != "required":
-        return next(_parameters(t) for t in tools if t["function"]["name"] == choice)
+        schema = dict(next(_parameters(t) for t in tools if t["function"]["name"] == choice))
+        return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_COMPACT}}
     variants = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                    "parameters": _parameters(t)},
                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+            "items": {"anyOf": variants}, "x-guidance": {**_COMPACT}}
+
+
+def _json_items(text: str) -> list[Any]:
+    """The complete items of a JSON list, also of one cut short (raises ValueError where no list begins)."""
+    decoder, items = json.JSONDecoder(), []
+    at = _WS.match(text, 0).end()
+    if not text.startswith("[", at):
+        raise ValueError("not a JSON list")
+    at = _WS.match(text, at + 1).end()
+    while not text.startswith("]", at):
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+        at = _WS.match(text, at).end()
+        if text.startswith(",", at):
+            at = _WS.match(text, at + 1).end()
+        elif not text.startswith("]", at):
+            return items
+    return items
 
 
 def forced_calls(text: str, choice: str) -> list[ToolCall]:
-    """The calls in the output a forced choice's grammar produced (raises ValueError if it is cut short)."""
+    """The calls in the output a forced choice's grammar produced. A "required" list cut short
+    (max_tokens) gives the calls it completed; a repeated call counts once, as a model looping on its call
+    repeats it. Raises ValueError when no call is complete."""
     if choice != "required":
         json.loads(text)
         return [ToolCall(choice, text)]
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    items = _json_items(text)
+    calls, seen = [], set()
+    for item in items:
+        args = json.dumps(item["parameters"], ensure_ascii=False)
+        key = (item["name"], json.dumps(item["parameters"], sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            calls.append(ToolCall(item["name"], args))
+    if not calls:
+        raise ValueError("no complete call")
+    return calls
 
 
 def _call_from(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
@@ -293,9 +334,10 @@ class ChatOutput:
         if not final:
             return "", []  # a forced call: nothing is content unless it fails to parse
         try:
-            return "", forced_calls(raw, self.choice)
-        except (ValueError, KeyError, TypeError):  # cut short (max_tokens): the text as it came
+            calls = forced_calls(raw, self.choice)
+        except (ValueError, KeyError, TypeError):  # cut short before a call was complete: the text as it came
             return raw, []
+        return "", calls
 
     def _delta(self, final: bool) -> tuple[Delta, list[ToolCall]]:
         reasoning, raw = self._parts(final)
@@ -317,6 +359,8 @@ class ChatOutput:
     def finish(self, finish_reason: str | None) -> Delta:
         out, calls = self._delta(final=True)
         out.calls = calls or None
+        # Returned calls finish as "tool_calls" (as vLLM does), those of a list cut short included: a client
+        # dispatches on it, and each call it gets is whole.
         out.finish_reason = "tool_calls" if calls else finish_reason
         return out
 

@@ -1,14 +1,15 @@
 """Convert a llama, qwen2, qwen3, gemma3 or gemma4 GGUF file into an MLX (mlx-lm / Hugging Face style)
 model folder.
 
-`mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
-triples (`.weight` uint32, `.scales` / `.biases` float16, group size 32), F32 stays float32 and
-F16 / BF16 / K-quants come back as float16.  This module renames the tensors to the Hugging Face
-layout of the family, undoes llama.cpp's Q/K row permutation (llama only: llama.cpp's converter
-permutes nothing for the NeoX-RoPE qwen and gemma families) and the +1 it adds to gemma3's norm weights,
-and rebuilds config.json and a `tokenizers` tokenizer.json from the GGUF metadata. Metadata keys and each
-architecture's tensor list come from the `gguf` package's tables (the ones llama.cpp's own converter
-writes with).
+The file is read by engine/models/gguf_file.py: Q4_0 / Q4_1 / Q8_0 tensors as MLX affine-quantized
+triples (`.weight` uint32, `.scales` / `.biases` float16, group size 32), F32 / F16 / BF16 as stored,
+every other type dequantized to float32.
+
+This module renames the tensors to the Hugging Face layout of the family, undoes llama.cpp's Q/K row
+permutation (llama only: llama.cpp's converter permutes nothing for the NeoX-RoPE qwen and gemma
+families) and the +1 it adds to gemma3's norm weights, and rebuilds config.json and a `tokenizers`
+tokenizer.json from the GGUF metadata. Metadata keys and each architecture's tensor list come from the
+`gguf` package's tables (the ones llama.cpp's own converter writes with).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from engine.models.gguf_file import GGML_GROUP_SIZE, dense, model_dtype, read_file, tensor_arrays
+
 # Written last into a converted folder; a folder without it is not a finished conversion.
 MARKER_NAME = ".gguf-conversion-complete"
-_FORMAT_VERSION = 1
-# Every GGML block format that mx.load keeps quantized (Q4_0, Q4_1, Q8_0) uses 32-value blocks.
-_GGML_GROUP_SIZE = 32
+# Bumped when the output changes: now types MLX cannot read exactly (Q5_0, the K-quants) are float32.
+_FORMAT_VERSION = 2
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -126,8 +128,8 @@ def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
 
 
 def _py(value: Any) -> Any:
-    # Metadata scalars arrive as 0-d mx arrays and numeric arrays as 1-d ones.
-    if isinstance(value, mx.array):
+    # Numeric metadata arrays arrive as numpy arrays, scalars as Python values.
+    if isinstance(value, np.ndarray):
         return value.item() if value.ndim == 0 else value.tolist()
     return value
 
@@ -151,11 +153,11 @@ def _hf_name(name: str, arch: _Arch | None = None) -> str:
 
 def _quant_params(weights: dict[str, mx.array], module: str) -> dict[str, int]:
     packed, scales = weights[f"{module}.weight"], weights[f"{module}.scales"]
-    in_dims = scales.shape[-1] * _GGML_GROUP_SIZE
+    in_dims = scales.shape[-1] * GGML_GROUP_SIZE
     bits, rem = divmod(packed.shape[-1] * 32, in_dims)
     if rem or bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"{module}: cannot infer bits from {packed.shape} packed / {scales.shape} scales")
-    return {"group_size": _GGML_GROUP_SIZE, "bits": bits}
+    return {"group_size": GGML_GROUP_SIZE, "bits": bits}
 
 
 def _quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
@@ -483,24 +485,13 @@ def _stop_ids(md: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    try:
-        return mx.load(str(path), return_metadata=True)
-    except RuntimeError as err:
-        raise ValueError(
-            f"mx.load could not read {path}: {err}. MLX reads F32, F16, BF16, Q4_0, Q4_1, Q8_0 and "
-            "K-quants (as float16) but not e.g. Q5_0/Q5_1/Q8_K."
-        ) from err
-
-
 def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | None = None) -> GGUFModel:
     """Read a GGUF of a family above into HF/mlx-lm named weights plus config and tokenizer files.
 
-    `dtype` casts every float tensor, quantization scales/biases included; None keeps float16
-    when the file holds any half-precision data. (On MLX's CPU backend float32 quantized matmuls
-    are far faster than float16 ones.)
+    `dtype` casts every float tensor, quantization scales/biases included; None picks one by
+    `model_dtype`. (On MLX's CPU backend float32 quantized matmuls are far faster than float16 ones.)
     """
-    raw, md = _load(Path(path))
+    md, tensors = read_file(Path(path))
     arch = _py(md.get(gguf.Keys.General.ARCHITECTURE))
     if arch not in _ARCHS:
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only {', '.join(_ARCHS)})")
@@ -513,34 +504,33 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
     heads = {"attn_q": n_head, "attn_k": n_kv} if family.permuted_qk else {}
     heads = {k: int(v[0] if isinstance(v, list) else v) for k, v in heads.items()}
 
-    # mx.load silently drops tensors of some types (e.g. MXFP4); fail loudly instead. Expected: the
-    # architecture's block tensors (gguf's table) that every layer of these families has.
-    bases = {n.rsplit(".", 1)[0] for n in raw}
+    # Expected: the architecture's block tensors (gguf's table) that every layer of these families has.
+    bases = {n.rsplit(".", 1)[0] for n in tensors}
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     block = [gguf.TENSOR_NAMES[t].split(".")[-1] for t in gguf.MODEL_TENSORS[arch_enum]
              if gguf.TENSOR_NAMES[t].startswith("blk.")]
     required = [b for b in block if b in _REQUIRED_BLOCK]
     expected = {"token_embd", "output_norm"} | {f"blk.{i}.{b}" for i in range(n_layers) for b in required}
     if missing := sorted(expected - bases):
-        raise ValueError(f"GGUF lacks tensors {missing[:5]} (unsupported tensor type?)")
+        raise ValueError(f"GGUF lacks tensors {missing[:5]}")
 
-    rope_freqs = raw.pop("rope_freqs.weight", None)
-    # One float dtype for the model: float16 if anything came back float16 (all quantized scales
-    # do), float32 for an all-F32 file.
+    rope_freqs = dense(tensors.pop("rope_freqs.weight")) if "rope_freqs.weight" in tensors else None
     if dtype is None:
-        dtype = mx.float16 if any(a.dtype == mx.float16 for a in raw.values()) else mx.float32
-    weights: dict[str, mx.array] = {}
-    for name in tqdm(sorted(raw), desc="gguf -> mlx", unit="tensor", disable=not progress):
-        w = raw.pop(name)
-        parts = name.split(".")
-        if parts[0] == "blk" and parts[2] in heads:
-            w = unpermute_rows(w, heads[parts[2]])
-        if family.norm_shift and name.endswith("norm.weight"):
-            w = w.astype(mx.float32) - family.norm_shift
-        if mx.issubdtype(w.dtype, mx.floating):
-            w = w.astype(dtype)
-        mx.eval(w)
-        weights[_hf_name(name, family)] = w
+        dtype = model_dtype({t.qtype for t in tensors.values()})
+    arrays: dict[str, mx.array] = {}
+    for tensor_name in tqdm(sorted(tensors), desc="gguf -> mlx", unit="tensor", disable=not progress):
+        for name, w in tensor_arrays(tensors.pop(tensor_name)).items():
+            parts = name.split(".")
+            if parts[0] == "blk" and parts[2] in heads:
+                w = unpermute_rows(w, heads[parts[2]])
+            if family.norm_shift and name.endswith("norm.weight"):
+                w = w.astype(mx.float32) - family.norm_shift
+            if mx.issubdtype(w.dtype, mx.floating):
+                w = w.astype(dtype)
+            mx.eval(w)
+            arrays[name] = w
+    # In the order of the arrays' GGUF names, as mx.load's were: a folder converted again is byte-identical.
+    weights = {_hf_name(name, family): arrays.pop(name) for name in sorted(arrays)}
 
     config = _build_config(md, weights, rope_freqs, arch)
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
@@ -560,6 +550,15 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
 def is_converted(out_dir: str | Path) -> bool:
     """True when `out_dir` holds a finished conversion (the marker is written last)."""
     return (Path(out_dir) / MARKER_NAME).is_file()
+
+
+def is_current(out_dir: str | Path) -> bool:
+    """True when `out_dir` holds a finished conversion written by this converter's format version."""
+    try:
+        marker = json.loads((Path(out_dir) / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format_version") == _FORMAT_VERSION
 
 
 def _write_folder(model: GGUFModel, folder: Path, source: Path) -> None:

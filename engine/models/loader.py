@@ -70,10 +70,10 @@ def default_gguf_path() -> Path:
 
 def default_model_folder(progress: bool = True) -> Path:
     """The default GGUF converted once into an MLX folder under the cache directory."""
-    from engine.models.gguf import convert_gguf
+    from engine.models.gguf import convert_gguf, is_current
 
     out = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-mlx"
-    if not (out / "config.json").exists():
+    if not is_current(out):  # absent, or written by an older converter
         logger.info("converting %s into %s (once)", _DEFAULT_GGUF, out)
         convert_gguf(default_gguf_path(), out, progress=progress)
     return out

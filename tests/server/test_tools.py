@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -16,12 +17,14 @@ import openai
 import pytest
 
 from server.tools import (
+    MAX_PARALLEL_CALLS,
     PARSERS,
     ChatOutput,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     Qwen3ReasoningParser,
+    forced_schema,
 )
 from tests.conftest import RunningServer
 
@@ -64,7 +67,8 @@ RECORDED = [
 ]
 
 
-def _streamed(shape: ChatOutput, text: str, seed: int) -> tuple[str, str, list[tuple[str, str]], str | None]:
+def _streamed(shape: ChatOutput, text: str, seed: int,
+              finish: str = "stop") -> tuple[str, str, list[tuple[str, str]], str | None]:
     rng = random.Random(seed)
     reasoning = content = ""
     i = 0
@@ -72,7 +76,7 @@ def _streamed(shape: ChatOutput, text: str, seed: int) -> tuple[str, str, list[t
         j = min(len(text), i + rng.randint(1, 7))
         d = shape.feed(text[i:j])
         reasoning, content, i = reasoning + d.reasoning, content + d.content, j
-    end = shape.finish("stop")
+    end = shape.finish(finish)
     calls = [(c.name, c.arguments) for c in end.calls or []]
     return reasoning + end.reasoning, content + end.content, calls, end.finish_reason
 
@@ -89,6 +93,40 @@ def test_parsers_on_recorded_outputs_and_streaming_reassembles(case: int) -> Non
     for seed in range(10):  # any split of the stream gives the same answer
         r, c, cs, f = _streamed(ChatOutput("auto", parser, None), text, seed)
         assert (c or None, cs, f) == (whole, [(x.name, x.arguments) for x in whole_calls], finish)
+
+
+_PARIS = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'
+_ADD = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+
+
+@pytest.mark.parametrize("text, finish, calls, want_finish", [
+    (f"[{_PARIS}, {_ADD}]", "stop", ["get_weather", "add"], "tool_calls"),
+    (f"[{_PARIS}, {_PARIS}, {_ADD}, {_PARIS}]", "stop", ["get_weather", "add"], "tool_calls"),  # once each
+    (f"[{_PARIS}, {_ADD}, {_PARIS[:30]}", "length", ["get_weather", "add"], "tool_calls"),  # cut: calls kept
+    (f"[{_PARIS}, ", "length", ["get_weather"], "tool_calls"),
+    (f"[{_PARIS}", "length", ["get_weather"], "tool_calls"),
+    (f"[\n  {_PARIS}\n,\n{_ADD[:-1]}", "length", ["get_weather"], "tool_calls"),
+    (f"[{_PARIS[:-3]}", "length", [], "length"),  # no call complete: the text as content
+])
+def test_required_list_whole_or_cut_short_gives_its_calls(text: str, finish: str, calls: list[str],
+                                                          want_finish: str) -> None:
+    _, content, got, got_finish = ChatOutput("required", None, None).whole(text, finish)
+    assert [c.name for c in got] == calls and got_finish == want_finish
+    assert content == (None if calls else text)
+    for c in got:
+        assert json.loads(c.arguments) in ({"city": "Paris", "unit": "C"}, {"a": 1, "b": 2})
+    for seed in range(5):
+        _, sc, scalls, sf = _streamed(ChatOutput("required", None, None), text, seed, finish)
+        assert (sc or None, scalls, sf) == (content, [(c.name, c.arguments) for c in got], want_finish)
+
+
+def test_forced_schema_bounds_the_list_and_writes_compact_json() -> None:
+    one, many = forced_schema(TOOLS, "required", False), forced_schema(TOOLS, "required", True)
+    assert (one["minItems"], one["maxItems"]) == (1, 1)
+    assert (many["minItems"], many["maxItems"]) == (1, MAX_PARALLEL_CALLS)
+    named = forced_schema(TOOLS, "get_weather", True)
+    assert named["x-guidance"]["whitespace_flexible"] is False and "x-guidance" not in WEATHER
+    assert {k: v for k, v in named.items() if k != "x-guidance"} == WEATHER
 
 
 @pytest.mark.parametrize("text, reasoning, content", [
@@ -122,15 +160,16 @@ def _ask(srv: RunningServer, stream: bool = False, **kw: Any) -> dict[str, Any]:
     """One chat completion as a dict {content, reasoning, tool_calls, finish_reason}, streamed or not."""
     kw.setdefault("messages", [{"role": "user", "content": "What is the weather in Paris, in Celsius?"}])
     kw.setdefault("max_tokens", 80)
+    kw.setdefault("tools", TOOLS)
     client = _client(srv)
     if not stream:
-        r = client.chat.completions.create(model=MODEL, temperature=0, tools=TOOLS, **kw)
+        r = client.chat.completions.create(model=MODEL, temperature=0, **kw)
         m = r.choices[0].message
         return {"content": m.content, "reasoning": getattr(m, "reasoning_content", None),
                 "tool_calls": [(c.function.name, c.function.arguments) for c in m.tool_calls or []],
                 "finish_reason": r.choices[0].finish_reason}
     content, reasoning, calls, finish = "", "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, temperature=0, tools=TOOLS, stream=True, **kw):
+    for chunk in client.chat.completions.create(model=MODEL, temperature=0, stream=True, **kw):
         d = chunk.choices[0].delta
         content += d.content or ""
         reasoning += getattr(d, "reasoning_content", None) or ""
@@ -151,6 +190,52 @@ def test_required_and_named_calls_validate_and_stream_the_same(tool_server: Runn
         tool = next(t for t in TOOLS if t["function"]["name"] == name)
         jsonschema.validate(json.loads(args), tool["function"]["parameters"])
         assert _ask(tool_server, stream=True, tool_choice=choice, parallel_tool_calls=False) == whole
+    assert tool_server.idle() and not tool_server.core.structured.matchers
+
+
+# The tools of issue #51: get_weather's unit is any string, and a model may call the same tool again.
+LOOSE_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                   "required": ["city", "unit"]}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search_web", "description": "Search the web",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+PROMPTS = ["What is the weather in Paris?", "What is 17 plus 25?", "Is it raining in Tokyo right now?",
+           "How warm is it in Berlin and in Madrid?"]
+
+
+def test_required_closes_its_list_over_prompts_tools_and_parallel(tool_server: RunningServer) -> None:
+    # The default model repeats its call while the list may go on: the list is bounded, a repeat counts
+    # once, and calls written before max_tokens cut the list come back (with finish_reason length).
+    toolsets = ([LOOSE_WEATHER], [LOOSE_WEATHER, TOOLS[1], SEARCH])
+    cases = [(p, ts, parallel, False, 100) for p in PROMPTS for ts in toolsets for parallel in (True, False)]
+    cases += [(p, toolsets[0], True, True, 100) for p in PROMPTS]  # streamed: the same answers
+    cut = [(PROMPTS[3], toolsets[0], True, stream, 40) for stream in (False, True)]  # inside the second call
+
+    def ask(case: tuple[str, list[dict[str, Any]], bool, bool, int]) -> dict[str, Any]:
+        prompt, tools, parallel, stream, max_tokens = case
+        return _ask(tool_server, stream=stream, tools=tools, tool_choice="required", max_tokens=max_tokens,
+                    parallel_tool_calls=parallel, messages=[{"role": "user", "content": prompt}])
+
+    with ThreadPoolExecutor(len(cases + cut)) as pool:  # one batch in the engine: seconds, not minutes
+        answers = list(pool.map(ask, cases + cut))
+    for (prompt, tools, parallel, stream, max_tokens), got in zip(cases + cut, answers, strict=True):
+        if stream:
+            assert got == answers[(cases + cut).index((prompt, tools, parallel, False, max_tokens))], prompt
+            continue
+        calls = got["tool_calls"]
+        assert 1 <= len(calls) <= (MAX_PARALLEL_CALLS if parallel else 1), got
+        assert len(set(calls)) == len(calls) and got["content"] is None, got
+        for name, args in calls:
+            schema = next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"]
+            jsonschema.validate(json.loads(args), schema)
+        assert got["finish_reason"] == "tool_calls", got  # lists cut short too: their calls come back
+    assert answers[0]["tool_calls"] == [("get_weather", '{"city": "Paris", "unit": "miles"}')]  # the issue's
+    berlin = answers[cases.index((PROMPTS[3], toolsets[0], True, False, 100))]
+    assert [json.loads(a)["city"] for _, a in berlin["tool_calls"]] == ["Berlin", "Madrid"]
+    assert answers[-1] == {"content": None, "reasoning": None, "tool_calls": berlin["tool_calls"][:1],
+                           "finish_reason": "tool_calls"}
     assert tool_server.idle() and not tool_server.core.structured.matchers
 
 
