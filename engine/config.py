@@ -71,6 +71,9 @@ class EngineConfig(BaseModel):
     dtype: DType = "auto"
     # Quantize a float checkpoint at load with MLX's affine quantizer (group 64); None: as stored.
     quantization: Quantization | None = None
+    # 4-bit weights multiplied with 8-bit activations (int8; auto where the C kernels serve the weights)
+    # or float32 ones (the exact-float reference).
+    activation_precision: Literal["auto", "int8", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)

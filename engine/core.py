@@ -20,6 +20,7 @@ from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache, head_major_default
 from engine.models import adapter
 from engine.models.loader import LoadedModel, load_model
+from engine.models.weights import set_activation_precision
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -98,9 +99,12 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, faults)
         self.runner.vocab_size = self.loaded.vocab_size
         self.runner.tp = self.tp
+        int8 = set_activation_precision(model, config.activation_precision)
+        logger.info("activation precision: %s",
+                    "int8 (4-bit products), float32 elsewhere" if int8 else "float32")
         if self.tp is None:
             stack, why = build_stack(model, self.kv_cache, layout.windows,
-                                     attention_fn is cpu_paged_attention, self.loaded.config)
+                                     attention_fn is cpu_paged_attention, self.loaded.config, act_int8=int8)
         else:
             stack, why = None, f"tensor parallel over {self.tp.size} ranks, all-sums between the layers"
         self.runner.stack = stack

@@ -89,7 +89,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--precisions", default=None, metavar="LIST",
                    help="comma-separated weight precisions to compare (auto, float32, bfloat16, float16, q8, "
-                        "q4): every mode at each, interleaved, plus agreement with float32")
+                        "q4), each optionally with its activation precision (auto:int8, auto:float32): "
+                        "every mode at each, interleaved, plus agreement with float32")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per run (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests in flight (1: one stream; default: %(default)s, all at once)")

@@ -39,7 +39,15 @@ from typing import Any
 from loadtests import modes as modes_mod
 from loadtests.datasets import WorkItem, load_dataset
 from loadtests.prom import SpecCounters, acceptance_summary, merge_spec
-from loadtests.quality import held_out_ids, load_args, precision_list, quality, quality_table
+from loadtests.quality import (
+    engine_args,
+    held_out_ids,
+    load_args,
+    precision_list,
+    quality,
+    quality_table,
+    split_precision,
+)
 from loadtests.report import dumps, package_versions, slug
 
 SCHEMA_VERSION = 1
@@ -199,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
         def measure(label: str, tag: str, params: list[Any] = params) -> tuple[dict[str, Any], Any]:
             prec, mode = pairs[label]
-            llm = LLM(loaded=targets[prec], speculative_config=chosen[mode], **kw)
+            llm = LLM(loaded=targets[prec], speculative_config=chosen[mode], **kw, **engine_args(prec))
             return run_batch(llm, batch, params, tag), llm.core.spec
 
         where = f" t={temp:g}" if len(temps) > 1 else ""
@@ -250,7 +258,7 @@ def _qualities(args: argparse.Namespace, targets: dict[Any, Any]) -> dict[str, d
 
     ref = targets.get("float32") or load_model(args.model, dtype="float32", progress=False)
     texts = held_out_ids(ref.tokenizer)
-    return {p: quality(t, ref, texts) for p, t in targets.items()}
+    return {p: quality(t, ref, texts, split_precision(p)[1]) for p, t in targets.items()}
 
 
 def temperatures(text: str | float) -> list[float]:

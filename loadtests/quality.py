@@ -15,21 +15,36 @@ import math
 from typing import Any
 
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
+ACTIVATIONS = ("auto", "int8", "float32")
+
+
+def split_precision(name: str) -> tuple[str, str]:
+    """'WEIGHTS[:ACTIVATIONS]' -> (weight precision, activation precision; auto when not given)."""
+    weights, _, acts = name.partition(":")
+    return weights, acts or "auto"
 
 
 def precision_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in PRECISIONS]
+    parts = [split_precision(n) for n in names]
+    bad = [n for n, (w, a) in zip(names, parts, strict=True) if w not in PRECISIONS or a not in ACTIVATIONS]
     if not names or bad or len(set(names)) != len(names):
-        raise SystemExit(f"--precisions: expected distinct names from {', '.join(PRECISIONS)}, got {text!r}")
+        raise SystemExit(f"--precisions: expected distinct names WEIGHTS[:ACTIVATIONS] (weights "
+                         f"{', '.join(PRECISIONS)}; activations {', '.join(ACTIVATIONS)}), got {text!r}")
     return names
 
 
 def load_args(precision: str) -> dict[str, Any]:
     """load_model keyword arguments for a precision name."""
-    if precision in ("q8", "q4"):
-        return {"dtype": "auto", "quantization": precision}
-    return {"dtype": precision, "quantization": None}
+    weights = split_precision(precision)[0]
+    if weights in ("q8", "q4"):
+        return {"dtype": "auto", "quantization": weights}
+    return {"dtype": weights, "quantization": None}
+
+
+def engine_args(precision: str | None) -> dict[str, Any]:
+    """EngineConfig keyword arguments for a precision name (its activation precision)."""
+    return {"activation_precision": split_precision(precision)[1]} if precision else {}
 
 
 def held_out_ids(tokenizer: Any, max_tokens: int = 512) -> list[list[int]]:
@@ -43,12 +58,13 @@ class _Scorer:
     """Logits at every position of a text, through the engine's own forward (the path that serves:
     the C layers where they run), one prefill step per text."""
 
-    def __init__(self, loaded: Any, max_len: int) -> None:
+    def __init__(self, loaded: Any, max_len: int, activations: str = "auto") -> None:
         from engine.config import EngineConfig
         from engine.core import EngineCore
 
         self.core = EngineCore(EngineConfig(kv_cache_memory="128MiB", max_model_len=max_len,
-                                            max_num_batched_tokens=max_len, show_progress=False), loaded)
+                                            max_num_batched_tokens=max_len, show_progress=False,
+                                            activation_precision=activations), loaded)
 
     def logits(self, ids: list[int]) -> Any:
         from engine.models import adapter
@@ -59,12 +75,12 @@ class _Scorer:
         return adapter.compute_logits(self.core.runner.model, h)  # [T, vocab]
 
 
-def quality(loaded: Any, reference: Any, texts: list[list[int]]) -> dict[str, Any]:
+def quality(loaded: Any, reference: Any, texts: list[list[int]], activations: str = "auto") -> dict[str, Any]:
     """Top-1 agreement with `reference` (float32) and both perplexities over `texts`."""
     import mlx.core as mx
 
     max_len = max(len(t) for t in texts)
-    ours_m, ref_m = _Scorer(loaded, max_len), _Scorer(reference, max_len)
+    ours_m, ref_m = _Scorer(loaded, max_len, activations), _Scorer(reference, max_len, "float32")
     agree = total = 0
     nll = ref_nll = 0.0
     for ids in texts:

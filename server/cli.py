@@ -41,6 +41,7 @@ _SERVE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--revision", "revision", {}),
     ("--dtype", "dtype", {"choices": ["auto", "float32", "float16", "bfloat16"]}),
     ("--quantization", "quantization", {"choices": ["q8", "q4"]}),
+    ("--activation-precision", "activation_precision", {"choices": ["auto", "int8", "float32"]}),
     ("--max-model-len", "max_model_len", {"type": int}),
     ("--max-num-seqs", "max_num_seqs", {"type": int}),
     ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int}),

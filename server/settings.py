@@ -45,6 +45,9 @@ class ServerSettings(BaseModel):
                             "float32: dequantized, the exactness reference); the CPU computes in float32")
     quantization: Literal["q8", "q4"] | None = Field(
         None, description="quantize a float checkpoint's weights at load (MLX affine, group 64)")
+    activation_precision: Literal["auto", "int8", "float32"] = Field(
+        "auto", description="activations of 4-bit products: int8 (auto: where the C kernels multiply "
+                            "4-bit weights) or float32 (the exact-float reference)")
     max_model_len: int | None = Field(
         None, ge=16, description="context length (default: the model's, at most 32768)")
     max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
@@ -301,7 +304,7 @@ class ServerSettings(BaseModel):
         """Keyword arguments for `engine.config.EngineConfig`."""
         return {
             "model": self.model, "revision": self.revision, "dtype": self.dtype,
-            "quantization": self.quantization,
+            "quantization": self.quantization, "activation_precision": self.activation_precision,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
             "kv_cache_memory": self.kv_cache_memory, "enable_prefix_caching": self.enable_prefix_caching,

@@ -38,22 +38,55 @@ typedef struct {
     const float *inv_freq;          // [head_dim / 2]
     const Layer *layers;
     const float *final_norm;        // [hidden] or NULL: the model's last RMSNorm, applied to h at the end
+    int act_int8;                   // 4-bit products take 8-bit activations (qgemm_i8's arithmetic)
 } Stack;
+
+// A product's input kept as the 4-bit kernels read it: permuted floats (xp), or quantized rows (qa).
+typedef struct {
+    float *xp;
+    int8_t *q;
+    float *ds;  // [T, nbp] scales, then [T, nbp] scaled sums
+    int K, nbp, T;
+} Q4In;
+
+static int q4in_alloc(Q4In *a, int int8, int T, int K) {
+    a->K = K, a->T = T, a->nbp = i8_padded_blocks(K), a->xp = NULL, a->q = NULL, a->ds = NULL;
+    if (!int8) return (a->xp = malloc(sizeof(float) * T * K)) != NULL;
+    a->q = malloc((size_t)T * K);
+    a->ds = malloc(sizeof(float) * 2 * (size_t)T * a->nbp);
+    return a->q && a->ds;
+}
+
+static void q4in_free(Q4In *a) { free(a->xp), free(a->q), free(a->ds); }
+
+// Row t of x into a's row t.
+static void q4in_row(const Q4In *a, const float *x, int t) {
+    if (a->xp) {
+        q4_permute_row(x, a->K, a->xp + (size_t)t * a->K);
+        return;
+    }
+    q8_quantize_row(x, a->K, a->q + (size_t)t * a->K, a->ds + (size_t)t * a->nbp,
+                    a->ds + (size_t)(a->T + t) * a->nbp);
+}
 
 static int mat_weights(const Mat *m, Weights *W) {
     return weights_of(m->fmt, m->n, m->k, m->group, m->w, m->scales, m->biases, m->sdtype, W);
 }
 
 // This thread's share of y[T, n] = x @ W^T (+ bias): weight rows split as qgemm splits them, so every
-// element is computed as qgemm alone computes it. xp: x as the 4-bit kernel reads it (q4_permute_row).
-static void matmul_share(const Mat *m, int T, const float *x, const float *xp, float *y, float *buf, int nth,
+// element is computed as qgemm (or qgemm_i8) alone computes it. xp: x as the 4-bit kernels read it.
+static void matmul_share(const Mat *m, int T, const float *x, const Q4In *xp, float *y, float *buf, int nth,
                          int tid, int *j0, int *j1) {
     Weights W;
     mat_weights(m, &W);  // checked before the parallel region
     share(m->n, nth, tid, j0, j1);
     if (*j0 >= *j1) return;
-    const float *a = m->fmt == FMT_Q4 ? xp : x;
-    run(&W, T, *j0, *j1, a, m->k, y, m->n, buf);
+    if (m->fmt == FMT_Q4 && xp->q) {
+        const QAct X = {xp->q, xp->ds, xp->ds + (size_t)T * xp->nbp, xp->K, xp->nbp};
+        run_i8(&W, T, *j0, *j1, &X, y, m->n);
+    } else {
+        run(&W, T, *j0, *j1, m->fmt == FMT_Q4 ? xp->xp : x, m->k, y, m->n, buf);
+    }
     if (m->bias)
         for (int t = 0; t < T; t++)
             for (int j = *j0; j < *j1; j++) y[(size_t)t * m->n + j] += m->bias[j];
@@ -105,14 +138,13 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     const int D = m->hidden, H = m->heads, Hkv = m->kv_heads, Dh = m->head_dim, I = m->inter, half = Dh / 2;
     const int G = H / Hkv;
     const size_t qn = (size_t)H * Dh, kn = (size_t)Hkv * Dh;
-    // Each input that some layer's product reads at 4 bits is also kept permuted (q4_permute_row).
     int pq = 0, po = 0, pg = 0, pd = 0;
     for (int l = 0; l < m->num_layers; l++) {
         const Layer *L = &m->layers[l];
         const Mat *mats[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
         Weights W;
         for (int i = 0; i < 7; i++)
-            if (mat_weights(mats[i], &W)) return -2;
+            if (mat_weights(mats[i], &W) || (m->act_int8 && W.fmt == FMT_Q4 && !i8_serves(&W))) return -2;
         pq |= L->q.fmt == FMT_Q4 || L->k.fmt == FMT_Q4 || L->v.fmt == FMT_Q4;
         po |= L->o.fmt == FMT_Q4;
         pg |= L->gate.fmt == FMT_Q4 || L->up.fmt == FMT_Q4;
@@ -127,16 +159,20 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     if (nth < 1) nth = 1;
     size_t Kmax = (size_t)D > qn ? (size_t)D : qn;  // the widest product input
     if ((size_t)I > Kmax) Kmax = (size_t)I;
-    float *x = malloc(sizeof(float) * T * D), *xp = pq || pg ? malloc(sizeof(float) * T * D) : NULL;
+    // Each input some layer's product reads at 4 bits is also kept as the 4-bit kernels read it.
+    Q4In xp = {0}, attp = {0}, gp = {0};
+    const int a8 = m->act_int8;
+    int ok = (!(pq || pg) || q4in_alloc(&xp, a8, T, D)) & (!po || q4in_alloc(&attp, a8, T, (int)qn)) &
+             (!pd || q4in_alloc(&gp, a8, T, I));
+    float *x = malloc(sizeof(float) * T * D);
     float *q = malloc(sizeof(float) * T * qn), *k = malloc(sizeof(float) * T * kn), *v = malloc(sizeof(float) * T * kn);
-    float *att = malloc(sizeof(float) * T * qn), *attp = po ? malloc(sizeof(float) * T * qn) : NULL;
+    float *att = malloc(sizeof(float) * T * qn);
     float *o = malloc(sizeof(float) * T * D), *g = malloc(sizeof(float) * T * I), *u = malloc(sizeof(float) * T * I);
-    float *gp = pd ? malloc(sizeof(float) * T * I) : NULL;
     float *cs = malloc(sizeof(float) * T * half), *sn = malloc(sizeof(float) * T * half);
     float *scores = malloc(sizeof(float) * (size_t)nth * G * (max_ctx > 0 ? max_ctx : 1));
     float *bufs = T > MB2 ? malloc(sizeof(float) * (size_t)nth * WRB * Kmax) : NULL;
-    int rc = x && q && k && v && att && o && g && u && cs && sn && scores && (xp || !(pq || pg)) &&
-             (attp || !po) && (gp || !pd) ? 0 : -1;
+    int rc = ok && x && q && k && v && att && o && g && u && cs && sn && scores ? 0 : -1;
+    const int px = pq || pg;
     if (rc == 0) {
         for (int t = 0; t < T; t++)
             for (int i = 0; i < half; i++) {
@@ -156,11 +192,11 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
                 for (int t = 0; t < T; t++) {
                     if (l > 0) for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
                     rms_norm(h + (size_t)t * D, L->ln_in, D, m->eps, x + (size_t)t * D);
-                    if (xp) q4_permute_row(x + (size_t)t * D, D, xp + (size_t)t * D);
+                    if (px) q4in_row(&xp, x + (size_t)t * D, t);
                 }
-                matmul_share(&L->q, T, x, xp, q, buf, n, tid, &j0, &j1);
-                matmul_share(&L->k, T, x, xp, k, buf, n, tid, &j0, &j1);
-                matmul_share(&L->v, T, x, xp, v, buf, n, tid, &j0, &j1);
+                matmul_share(&L->q, T, x, &xp, q, buf, n, tid, &j0, &j1);
+                matmul_share(&L->k, T, x, &xp, k, buf, n, tid, &j0, &j1);
+                matmul_share(&L->v, T, x, &xp, v, buf, n, tid, &j0, &j1);
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (int it = 0; it < T * (H + Hkv); it++) {
@@ -188,28 +224,28 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
                     attend_one(G, Dh, q + qo, L->kc + head, L->vc + head, tables + tok_table[t], bs, lo, hi, sl2e,
                                sc, att + qo);
                 }
-                if (attp) {
+                if (po) {
 #pragma omp for schedule(static)
-                    for (int t = 0; t < T; t++) q4_permute_row(att + (size_t)t * qn, (int)qn, attp + (size_t)t * qn);
+                    for (int t = 0; t < T; t++) q4in_row(&attp, att + (size_t)t * qn, t);
                 }
-                matmul_share(&L->o, T, att, attp, o, buf, n, tid, &j0, &j1);
+                matmul_share(&L->o, T, att, &attp, o, buf, n, tid, &j0, &j1);
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++) {
                     for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
                     rms_norm(h + (size_t)t * D, L->ln_post, D, m->eps, x + (size_t)t * D);
-                    if (xp) q4_permute_row(x + (size_t)t * D, D, xp + (size_t)t * D);
+                    if (px) q4in_row(&xp, x + (size_t)t * D, t);
                 }
-                matmul_share(&L->gate, T, x, xp, g, buf, n, tid, &j0, &j1);
-                matmul_share(&L->up, T, x, xp, u, buf, n, tid, &j0, &j1);
+                matmul_share(&L->gate, T, x, &xp, g, buf, n, tid, &j0, &j1);
+                matmul_share(&L->up, T, x, &xp, u, buf, n, tid, &j0, &j1);
                 for (int t = 0; t < T; t++)  // this thread's columns of gate and up: no barrier before
                     silu_mul_range(g + (size_t)t * I, u + (size_t)t * I, j0, j1);
 #pragma omp barrier
-                if (gp) {
+                if (pd) {
 #pragma omp for schedule(static)
-                    for (int t = 0; t < T; t++) q4_permute_row(g + (size_t)t * I, I, gp + (size_t)t * I);
+                    for (int t = 0; t < T; t++) q4in_row(&gp, g + (size_t)t * I, t);
                 }
-                matmul_share(&L->down, T, g, gp, o, buf, n, tid, &j0, &j1);
+                matmul_share(&L->down, T, g, &gp, o, buf, n, tid, &j0, &j1);
 #pragma omp barrier
             }
 #pragma omp for schedule(static)
@@ -219,7 +255,8 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
             }
         }
     }
-    free(x), free(xp), free(q), free(k), free(v), free(att), free(attp), free(o), free(g), free(u), free(gp);
+    free(x), free(q), free(k), free(v), free(att), free(o), free(g), free(u);
+    q4in_free(&xp), q4in_free(&attp), q4in_free(&gp);
     free(cs), free(sn), free(scores), free(bufs);
     return rc;
 }

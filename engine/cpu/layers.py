@@ -50,7 +50,8 @@ class _Stack(ctypes.Structure):
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
                 ("rope_traditional", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("rope_scale", ctypes.c_float), ("slots", ctypes.c_long), ("inv_freq", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
+                ("act_int8", ctypes.c_int)]
 
 
 @functools.cache
@@ -97,7 +98,8 @@ class CpuLayerStack:
     """The model's decoder layers as one C call; `hidden_states` replaces adapter.hidden_states."""
 
     def __init__(self, model: nn.Module, kv: PagedKVCache, windows: list[int | None],
-                 isa: str | None = None) -> None:
+                 isa: str | None = None, act_int8: bool = False) -> None:
+        """`act_int8`: the 4-bit products take 8-bit activations (qgemm.c's qgemm_i8 arithmetic)."""
         self.lib = _lib(isa or selected_isa())
         self.model = model
         self.kv = kv
@@ -153,7 +155,7 @@ class CpuLayerStack:
                             int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
                             float(attn0.scale), float(rope.scale), int(kv.k[0].shape[1]),
                             inv_freq.ctypes.data, c_layers,
-                            _f32(norm.weight, self._keep) if self.final_norm else None)
+                            _f32(norm.weight, self._keep) if self.final_norm else None, int(act_int8))
         self._cache_arrays: list[mx.array] = []
 
     def _bind_cache(self) -> None:
@@ -192,7 +194,8 @@ class CpuLayerStack:
 
 
 def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],
-                attention_is_cpu: bool, config: dict[str, Any]) -> tuple[CpuLayerStack | None, str]:
+                attention_is_cpu: bool, config: dict[str, Any],
+                act_int8: bool = False) -> tuple[CpuLayerStack | None, str]:
     """The C layer stack for this model, or None and why not."""
     if envs.get("SPECSERVE_CPU_LAYERS") == "off":
         return None, "SPECSERVE_CPU_LAYERS=off"
@@ -205,7 +208,7 @@ def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],
     if not kv.head_major or kv.dtype != mx.float32:
         return None, "the KV cache is not float32 head-major"
     try:
-        return CpuLayerStack(model, kv, windows), "C layers"
+        return CpuLayerStack(model, kv, windows, act_int8=act_int8), "C layers"
     except _Unsupported as e:
         return None, str(e)
     except (RuntimeError, OSError, ValueError) as e:

@@ -15,6 +15,7 @@
 // 256 is bitwise the row computed alone (so verified drafts get plain decoding's logits).
 #include "simd.h"
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -320,5 +321,144 @@ int qgemm_rows(int fmt, int N, int K, int group, const void *w, const void *scal
             }
         }
     }
+    return 0;
+}
+
+// ---- 8-bit activations (activation precision int8) against 4-bit weights ----
+// Each activation row is quantized on its own, per 32 values: d = max|x| / 127, q = round(x / d) (ties to
+// even), kept permuted as q4_permute_row orders floats, with d and d * sum(q) per block. Per weight group
+// (scale s, bias b) and activation block: sum(w x) ~ s d sum(q_w q_x) + b d sum(q_x). The integer dots go
+// into 8 lanes, one FMA per lane with s * d, even blocks into one accumulator and odd ones into another
+// (two chains in flight); the bias terms are 8-lane FMAs over blocks 8 at a time; each ends in one fixed
+// horizontal sum. Every element is that sequence whatever M, the chunking and the threads.
+enum { MAX_BLOCKS = MAX_GROUPS + 8 };  // blocks per row, padded to a multiple of 8
+
+typedef struct {
+    const int8_t *q;     // [M, K], each 32 as 16 even then 16 odd elements
+    const float *d, *s;  // [M, nbp]: block scale, scale * sum of the block's q (zero past K / 32)
+    int K, nbp;
+} QAct;
+
+static inline int i8_padded_blocks(int K) { return (K / 32 + 7) / 8 * 8; }
+
+static void q8_quantize_row(const float *a, int K, int8_t *q, float *d, float *s) {
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+        const float *x = a + (size_t)b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float v = fabsf(x[i]);
+            amax = v > amax ? v : amax;  // not fmaxf: a libm call where it is not inlined
+        }
+        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)lrintf(x[i] * id);
+            q[(size_t)b * 32 + (i & 1) * 16 + i / 2] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = dd;
+        s[b] = dd * (float)sum;
+    }
+    for (int b = nb; b < i8_padded_blocks(K); b++) d[b] = s[b] = 0.0f;
+}
+
+// Weight row j against activation rows 0..M-1 of X (M <= 4).
+SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, int ldc, int j) {
+    const int K = W->K, nb = K / 32, nbp = X->nbp, gs = __builtin_ctz((unsigned)(W->group / 32));
+    // Per block: the weight scale and bias (group 32: as stored; wider groups repeated), zero-padded.
+    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], sd[4][MAX_BLOCKS];
+    group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, sc);
+    group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, bi);
+    if (gs > 0)
+        for (int b = nb - 1; b >= 0; b--) sc[b] = sc[b >> gs], bi[b] = bi[b >> gs];  // in place, from the end
+    for (int b = nb; b < nbp; b++) sc[b] = bi[b] = 0.0f;
+    iacc v0 = iacc_zero(), v1 = v0, v2 = v0, v3 = v0, e0 = v0, e1 = v0, e2 = v0, e3 = v0;
+    iacc o0 = v0, o1 = v0, o2 = v0, o3 = v0;
+    const int8_t *x0 = X->q, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+    const float *d0 = X->d, *d1 = d0 + nbp, *d2 = d1 + nbp, *d3 = d2 + nbp;
+#define I8_BIAS(i)                                                                                      \
+    if ((i) < M)                                                                                        \
+        for (int b = 0; b < nbp; b += 8) {                                                              \
+            v##i = iacc_fma(iacc_load(bi + b), iacc_load(X->s + (size_t)(i) * nbp + b), v##i);          \
+            iacc_store(sd[i] + b, iacc_mul(iacc_load(sc + b), iacc_load(d##i + b)));                    \
+        }
+    I8_BIAS(0) I8_BIAS(1) I8_BIAS(2) I8_BIAS(3)
+#undef I8_BIAS
+    const uint8_t *row = W->w + (size_t)j * (K / 2);
+#define I8_PAIR(i)                                                                                      \
+    if ((i) < M) {                                                                                      \
+        e##i = ifma(idot(w0, x##i + (size_t)b * 32), sd[i][b], e##i);                                   \
+        o##i = ifma(idot(w1, x##i + (size_t)b * 32 + 32), sd[i][b + 1], o##i);                          \
+    }
+#define I8_LAST(i) if ((i) < M) e##i = ifma(idot(w0, x##i + (size_t)b * 32), sd[i][b], e##i);
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        if (!(b & 3)) vprefetch((const char *)row + (size_t)b * 16 + PREFETCH_BYTES);
+        iw w0, w1;
+        iw_q4x2(row + (size_t)b * 16, &w0, &w1);
+        I8_PAIR(0) I8_PAIR(1) I8_PAIR(2) I8_PAIR(3)
+    }
+    if (b < nb) {
+        const iw w0 = iw_q4(row + (size_t)b * 16);
+        I8_LAST(0) I8_LAST(1) I8_LAST(2) I8_LAST(3)
+    }
+#undef I8_PAIR
+#undef I8_LAST
+    if (M > 0) C[j] = ihsum(iacc_add(e0, o0)) + ihsum(v0);
+    if (M > 1) C[(size_t)ldc + j] = ihsum(iacc_add(e1, o1)) + ihsum(v1);
+    if (M > 2) C[2 * (size_t)ldc + j] = ihsum(iacc_add(e2, o2)) + ihsum(v2);
+    if (M > 3) C[3 * (size_t)ldc + j] = ihsum(iacc_add(e3, o3)) + ihsum(v3);
+}
+
+typedef void (*block_i8_fn)(const Weights *, const QAct *, float *, int, int);
+static void bi8_1(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(1, W, X, C, ldc, j); }
+static void bi8_2(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(2, W, X, C, ldc, j); }
+static void bi8_3(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(3, W, X, C, ldc, j); }
+static void bi8_4(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(4, W, X, C, ldc, j); }
+static const block_i8_fn BLOCKS_I8[5] = {0, bi8_1, bi8_2, bi8_3, bi8_4};
+
+// Weight rows j0..j1-1 against all M quantized rows, four activation rows at a time.
+static void run_i8(const Weights *W, int M, int j0, int j1, const QAct *X, float *C, int ldc) {
+    for (int i0 = 0; i0 < M; i0 += 4) {
+        const int m = M - i0 < 4 ? M - i0 : 4;
+        const size_t at = (size_t)i0 * X->nbp;
+        const QAct Xi = {X->q + (size_t)i0 * X->K, X->d + at, X->s + at, X->K, X->nbp};
+        for (int j = j0; j < j1; j++) BLOCKS_I8[m](W, &Xi, C + (size_t)i0 * ldc, ldc, j);
+    }
+}
+
+// Whether the int8 path serves these weights: 4-bit, groups of 32 times a power of two.
+static inline int i8_serves(const Weights *W) {
+    const int gb = W->group / 32;
+    return W->fmt == FMT_Q4 && W->group % 32 == 0 && (gb & (gb - 1)) == 0;  // a power of two: shifts
+}
+
+// C = A @ W^T with A's rows quantized to int8 first (4-bit weights only). Returns 0, or -1 for arguments it
+// does not handle.
+int qgemm_i8(int fmt, int M, int N, int K, int group, const float *A, int lda, const void *w, const void *scales,
+             const void *biases, int sdtype, float *C, int ldc, int max_threads) {
+    Weights W;
+    if (M < 1 || weights_of(fmt, N, K, group, w, scales, biases, sdtype, &W) || !i8_serves(&W)) return -1;
+    const int nbp = i8_padded_blocks(K);
+    int8_t *q = malloc((size_t)M * K);
+    float *ds = malloc(sizeof(float) * 2 * (size_t)M * nbp);
+    if (q == NULL || ds == NULL) {
+        free(q), free(ds);
+        return -1;
+    }
+    for (int i = 0; i < M; i++)
+        q8_quantize_row(A + (size_t)i * lda, K, q + (size_t)i * K, ds + (size_t)i * nbp, ds + (size_t)(M + i) * nbp);
+    const QAct X = {q, ds, ds + (size_t)M * nbp, K, nbp};
+    int nth = omp_get_max_threads();
+    if (max_threads > 0 && nth > max_threads) nth = max_threads;
+    if (row_bytes(fmt, K) * (size_t)N < 65536 || N < 2 * SHARE || nth < 2) nth = 1;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        int j0, j1;
+        share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
+        if (j0 < j1) run_i8(&W, M, j0, j1, &X, C, ldc);
+    }
+    free(q), free(ds);
     return 0;
 }

@@ -41,6 +41,8 @@ def _lib_for(isa: str | None) -> ctypes.CDLL:
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.qgemm.restype = i
     lib.qgemm.argtypes = [i, i, i, i, i, p, i, p, p, p, i, p, i, i]
+    lib.qgemm_i8.restype = i
+    lib.qgemm_i8.argtypes = lib.qgemm.argtypes
     lib.qgemm_rows.restype = i
     lib.qgemm_rows.argtypes = [i, i, i, i, p, p, p, i, p, i, p]
     return lib
@@ -57,6 +59,7 @@ class PackedWeights:
     arrays: tuple[mx.array, ...]  # the MLX arrays the views point into (kept alive)
     views: tuple[np.ndarray, ...]  # weight, scales, biases (the latter two absent for floats)
     scale_dtype: int
+    int8: bool = False  # products take 8-bit activations (set only where `int8_serves`)
 
     @classmethod
     def floats(cls, w: mx.array) -> PackedWeights:
@@ -83,6 +86,10 @@ class PackedWeights:
         step = 32 if self.fmt == "q4" else 16
         return self.group % step == 0 and self.k % self.group == 0 and self.k // self.group <= MAX_GROUPS
 
+    def int8_serves(self) -> bool:
+        """Whether the int8-activation kernel reads these weights (4-bit, whole 32-value blocks)."""
+        return self.fmt == "q4" and self.supported()
+
     def pointers(self) -> tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]:
         """Weights, scales, biases as the kernel takes them (float formats: the weights thrice, unread)."""
         w = self.views[0]
@@ -90,12 +97,15 @@ class PackedWeights:
             pointer(self.views[2] if len(self.views) > 2 else w)
 
 
-def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0, isa: str | None = None) -> np.ndarray:
-    """x: [M, K] float32 (row-contiguous) -> [M, N] float32."""
+def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0, isa: str | None = None,
+               int8: bool = False) -> np.ndarray:
+    """x: [M, K] float32 (row-contiguous) -> [M, N] float32. `int8`: each row of x quantized to 8 bits
+    per 32 values and dotted in integers (4-bit weights only: `int8_serves`)."""
     m = x.shape[0]
     out = np.empty((m, pw.n), dtype=np.float32)
-    rc = _lib(isa).qgemm(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, pointer(x), x.shape[1], *pw.pointers(),
-                      pw.scale_dtype, pointer(out), pw.n, max_threads)
+    fn = _lib(isa).qgemm_i8 if int8 else _lib(isa).qgemm
+    rc = fn(FORMATS[pw.fmt], m, pw.n, pw.k, pw.group, pointer(x), x.shape[1], *pw.pointers(),
+            pw.scale_dtype, pointer(out), pw.n, max_threads)
     if rc != 0:
         raise ValueError(f"qgemm refused {pw.fmt} [{pw.n}, {pw.k}] group {pw.group}")
     return out
@@ -120,4 +130,4 @@ def qgemm(x: mx.array, pw: PackedWeights) -> mx.array:
     x2 = mx.contiguous(x.reshape(-1, pw.k).astype(mx.float32))
     mx.eval(x2)
     host = np.asarray(memoryview(x2))
-    return mx.array(qgemm_host(host, pw, cpu_threads().count())).reshape(*lead, pw.n)
+    return mx.array(qgemm_host(host, pw, cpu_threads().count(), int8=pw.int8)).reshape(*lead, pw.n)

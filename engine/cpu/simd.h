@@ -319,4 +319,96 @@ SS_INLINE vf vsilu_mul(vf x, vf u) {
     const vf e = vexp2_neg(vmul(vsub(zero, vmax(x, vsub(zero, x))), vset1(1.4426950408889634f)));
     return vmul(vdiv(vmul(x, vsel_ge(x, zero, one, e)), vadd(one, e)), u);
 }
+// Integer dot products of 4-bit weights with 8-bit activations, 32 at a time: `iw` holds a block's 32
+// weights (0..15, its 16 low nibbles then its 16 high ones), the activations come as int8 in the same
+// order, `idot` gives 8 int32 lanes (lane l: the products of bytes 4l..4l+3; exact, so any instruction
+// that sums the same bytes gives the same lanes), `ifma` adds lane * scale into 8 float lanes with one
+// FMA each, and `ihsum` ends with one fixed tree. x86 builds use 256-bit AVX2 (AVX-512 CPUs have it), and
+// vpdpbusd where the CPU has VNNI; other ISAs the same lanes in plain C.
+#if defined(SS_ISA_AVX512) || defined(SS_ISA_AVX2)
+typedef __m256i iw;
+typedef __m256 iacc;
+SS_INLINE iw iw_q4(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+SS_INLINE __m256i idot(iw w, const int8_t *x) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)x);
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));  // 15 * 127 * 2: no saturation
+#endif
+}
+// Two consecutive blocks (32 bytes of weights) at once: one load, shift and mask for both.
+SS_INLINE void iw_q4x2(const uint8_t *p, iw *w0, iw *w1) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    *w0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+    *w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+SS_INLINE iacc iacc_zero(void) { return _mm256_setzero_ps(); }
+SS_INLINE iacc iacc_load(const float *p) { return _mm256_loadu_ps(p); }
+SS_INLINE void iacc_store(float *p, iacc a) { _mm256_storeu_ps(p, a); }
+SS_INLINE iacc iacc_add(iacc a, iacc b) { return _mm256_add_ps(a, b); }
+SS_INLINE iacc iacc_mul(iacc a, iacc b) { return _mm256_mul_ps(a, b); }
+SS_INLINE iacc iacc_fma(iacc a, iacc b, iacc c) { return _mm256_fmadd_ps(a, b, c); }
+SS_INLINE iacc ifma(__m256i d, float scale, iacc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale), acc);
+}
+SS_INLINE float ihsum(iacc a) {  // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+#else
+typedef struct { uint8_t b[32]; } iw;
+typedef struct { float v[8]; } iacc;
+typedef struct { int32_t v[8]; } idots;
+SS_INLINE iw iw_q4(const uint8_t *p) {
+    iw w;
+    for (int i = 0; i < 16; i++) w.b[i] = p[i] & 15, w.b[16 + i] = p[i] >> 4;
+    return w;
+}
+SS_INLINE idots idot(iw w, const int8_t *x) {
+    idots d;
+    for (int l = 0; l < 8; l++) {
+        int32_t t = 0;
+        for (int i = 4 * l; i < 4 * l + 4; i++) t += (int32_t)w.b[i] * x[i];
+        d.v[l] = t;
+    }
+    return d;
+}
+SS_INLINE void iw_q4x2(const uint8_t *p, iw *w0, iw *w1) {
+    *w0 = iw_q4(p);
+    *w1 = iw_q4(p + 16);
+}
+SS_INLINE iacc iacc_zero(void) { return (iacc){{0}}; }
+SS_INLINE iacc iacc_load(const float *p) {
+    iacc a;
+    memcpy(a.v, p, sizeof(a.v));
+    return a;
+}
+SS_INLINE void iacc_store(float *p, iacc a) { memcpy(p, a.v, sizeof(a.v)); }
+SS_INLINE iacc iacc_add(iacc a, iacc b) {
+    for (int l = 0; l < 8; l++) a.v[l] = a.v[l] + b.v[l];
+    return a;
+}
+SS_INLINE iacc iacc_mul(iacc a, iacc b) {
+    for (int l = 0; l < 8; l++) a.v[l] = a.v[l] * b.v[l];
+    return a;
+}
+SS_INLINE iacc iacc_fma(iacc a, iacc b, iacc c) {
+    for (int l = 0; l < 8; l++) c.v[l] = __builtin_fmaf(a.v[l], b.v[l], c.v[l]);
+    return c;
+}
+SS_INLINE iacc ifma(idots d, float scale, iacc acc) {
+    for (int l = 0; l < 8; l++) acc.v[l] = __builtin_fmaf((float)d.v[l], scale, acc.v[l]);
+    return acc;
+}
+SS_INLINE float ihsum(iacc a) {
+    const float v0 = a.v[0] + a.v[4], v1 = a.v[1] + a.v[5], v2 = a.v[2] + a.v[6], v3 = a.v[3] + a.v[7];
+    return (v0 + v2) + (v1 + v3);
+}
+#endif
 #endif

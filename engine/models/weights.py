@@ -2,8 +2,8 @@
 
 `--dtype` and `--quantization` resolve here into a `WeightPlan`:
 - `auto`: weights stay as stored (bf16 / fp16 / float32 / MLX affine 8- or 4-bit, GGUF Q8_0 / Q4_0 /
-  Q4_1 as 8- or 4-bit affine with group 32); everything else (norms, biases) computes in the model's
-  compute dtype (float32 on the CPU).
+  Q4_1 as 8- or 4-bit affine with group 32, other GGUF types as the float32 the reader dequantized them
+  to); everything else (norms, biases) computes in the model's compute dtype (float32 on the CPU).
 - `float32` / `bfloat16` / `float16`: every weight in that float type (a quantized checkpoint is
   dequantized, in float32); `float32` is the exactness reference on the CPU.
 - `quantization` q8 / q4: the weights quantized at load by MLX's own quantizer (`nn.quantize`, group
@@ -258,3 +258,23 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
     leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
     return count
+
+
+def set_activation_precision(model: nn.Module, choice: str) -> bool:
+    """Point every C-kernel product whose weights the int8 kernel reads (4-bit) at 8-bit activations
+    (`auto`, `int8`), or keep float32 activations everywhere (`float32`). Returns whether any product now
+    takes int8 activations; `int8` with no such weights raises ValueError."""
+    packed = [m._packed for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
+    int8 = [p for p in packed if p.int8_serves()] if choice != "float32" else []
+    if choice == "int8" and not int8:
+        raise ValueError("--activation-precision int8 needs 4-bit weights multiplied by the C kernels "
+                         "(this model has none: use auto or float32)")
+    chosen = {id(p) for p in int8}
+    for p in packed:
+        p.int8 = id(p) in chosen
+    return bool(chosen)
+
+
+def uses_int8_activations(model: nn.Module) -> bool:
+    """Whether set_activation_precision pointed some product of this model at 8-bit activations."""
+    return any(m._packed.int8 for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding)))

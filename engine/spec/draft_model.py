@@ -25,6 +25,7 @@ from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.loader import LoadedModel
+from engine.models.weights import uses_int8_activations
 from engine.runner import ModelRunner
 from engine.spec.draft_sampling import DraftDraws, samples
 from engine.spec.proposer import DraftRequest
@@ -78,7 +79,8 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, self.kv_cache, attention_fn)
         # The draft's decoder layers in C where they apply, as the target's (engine/cpu/layers.py).
         self.runner.stack, _ = build_stack(model, self.kv_cache, layout.windows,
-                                           attention_fn is cpu_paged_attention, draft.config)
+                                           attention_fn is cpu_paged_attention, draft.config,
+                                           act_int8=uses_int8_activations(model))
         self._state: dict[str, _State] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first
         self.num_evictions = 0

@@ -39,9 +39,9 @@ def _prompts(loaded: LoadedModel, texts: list[str]) -> list[list[int]]:
                                                  tokenize=True, return_dict=False) for t in texts]
 
 
-def _core(loaded: LoadedModel) -> EngineCore:
-    return EngineCore(EngineConfig(kv_cache_memory="128MiB", max_model_len=1024, show_progress=False),
-                      loaded)
+def _core(loaded: LoadedModel, activation_precision: str = "auto") -> EngineCore:
+    return EngineCore(EngineConfig(kv_cache_memory="128MiB", max_model_len=1024, show_progress=False,
+                                   activation_precision=activation_precision), loaded)
 
 
 def _forward(core: EngineCore, chunks: list[tuple[list[int], int, list[int]]], use_stack: bool) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_q4_logits_equal_mlx_quantized_matmul_on_the_same_triples() -> None:
     ref, _ = mlx_load_model(default_model_folder(progress=False))
     ref.set_dtype(mx.float32)  # scales, biases and norms; the packed integers stay
     assert isinstance(ref.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
-    core = _core(loaded)
+    core = _core(loaded, "float32")  # float activations: the product MLX computes
     assert core.runner.stack is not None
     ids = _prompts(loaded, [CHATS[0]])[0]
     ours = _forward(core, [(ids, 0, list(range(8)))], use_stack=True)
@@ -92,6 +92,10 @@ def test_q4_logits_equal_mlx_quantized_matmul_on_the_same_triples() -> None:
     scale = np.abs(theirs).max()
     assert np.abs(ours - theirs).max() <= 2e-3 * scale
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+    # 8-bit activations (the default): near it, not equal.
+    int8 = _forward(_core(loaded, "int8"), [(ids, 0, list(range(8)))], use_stack=True)
+    assert not np.array_equal(int8, ours)
+    assert np.abs(int8 - theirs).max() <= 0.1 * scale
     # The check can fail: a model whose scales are off by one group is far from it.
     wrong = np.abs(ours - np.roll(theirs, 1, axis=-1)).max()
     assert wrong > 100 * 2e-3 * scale
@@ -101,7 +105,7 @@ def test_q4_logits_equal_mlx_quantized_matmul_on_the_same_triples() -> None:
 @pytest.mark.parametrize("precision", ["float32", "auto"])
 def test_c_layers_equal_mlx_modules_batched_and_chunked(precision: str) -> None:
     loaded = default_model() if precision == "float32" else loaded_auto()
-    core = _core(loaded)
+    core = _core(loaded, "float32")  # float activations: the arithmetic MLX's modules do
     assert core.runner.stack is not None, "the C layers should run for the default model here"
     a, b, c = _prompts(loaded, CHATS[:3])
     split = len(a) // 2

@@ -129,6 +129,19 @@ static void qgemm_cases(void) {
                     qgemm(fmt, m, N, K, group, A, K, w, s, b, sd, c, N, 1);
                     check_rows(name, full, c, m, N);
                 }
+                if (fmt == FMT_Q4) {  // 8-bit activations: integer sums, the float parts in one order
+                    char i8[80];
+                    snprintf(i8, sizeof(i8), "%s/int8", name);
+                    if (qgemm_i8(fmt, 256, N, K, group, A, K, w, s, b, sd, full, N, 0)) {
+                        fprintf(stderr, "%s refused\n", i8);
+                        invariance_failures++;
+                    }
+                    record(i8, full, sizeof(float) * 256 * N);
+                    for (int m = 1; m < 256; m = next_m(m)) {
+                        qgemm_i8(fmt, m, N, K, group, A, K, w, s, b, sd, c, N, 1);
+                        check_rows(i8, full, c, m, N);
+                    }
+                }
                 const int32_t ids[4] = {0, 20, 7, 7};
                 qgemm_rows(fmt, N, K, group, w, s, b, sd, ids, 4, c);
                 strncat(name, "/rows", sizeof(name) - strlen(name) - 1);
@@ -174,8 +187,8 @@ static Mat mat(int fmt, int n, int k) {
 static void layer_cases(void) {
     const int L = 2, D = 64, H = 4, Hkv = 2, Dh = 32, I = 128, bs = 16, T = 5, nblocks = 8;
     const long slots = (long)nblocks * bs;
-    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32};
-    for (int f = 0; f < 4; f++) {
+    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32, FMT_Q4};  // the last: 8-bit activations
+    for (int f = 0; f < 5; f++) {
         Layer layers[2];
         for (int l = 0; l < L; l++) {
             Layer *y = &layers[l];
@@ -192,16 +205,17 @@ static void layer_cases(void) {
         for (int i = 0; i < 16; i++) inv_freq[i] = 1.0f / (float)(1 << (i % 12));
         Stack st = {L, D, H, Hkv, Dh, I, 0, 1e-5f, 0.1767767f, 1.0f, slots, inv_freq, layers, NULL};
         st.final_norm = floats(D, 1.0f);
+        st.act_int8 = f == 4;
         float *h = floats((size_t)T * D, 1.0f);
         const int32_t pos[5] = {3, 4, 5, 6, 40}, slot[5] = {3, 4, 5, 6, 40}, tok_table[5] = {0, 0, 0, 0, 0};
         int32_t tables[8];
         for (int i = 0; i < nblocks; i++) tables[i] = i;
         if (layers_forward(&st, T, h, pos, slot, tok_table, tables, bs, 41, 0) != 0) invariance_failures++;
         char name[64];
-        snprintf(name, sizeof(name), "layers/fmt%d", fmts[f]);
+        snprintf(name, sizeof(name), "layers/fmt%d%s", fmts[f], st.act_int8 ? "/int8" : "");
         record(name, h, sizeof(float) * T * D);
         for (int l = 0; l < L; l++) {
-            snprintf(name, sizeof(name), "layers/fmt%d/kcache%d", fmts[f], l);
+            snprintf(name, sizeof(name), "layers/fmt%d%s/kcache%d", fmts[f], st.act_int8 ? "/int8" : "", l);
             record(name, layers[l].kc, sizeof(float) * Hkv * slots * Dh);
         }
     }

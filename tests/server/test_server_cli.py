@@ -176,12 +176,12 @@ def test_cli_serve_readme_examples_and_sigterm(serve_process: tuple[subprocess.P
     curl, sdk = _readme_examples(port)
     out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True)
     answer = json.loads(out.stdout)
-    assert "Paris" in answer["choices"][0]["message"]["content"]
+    assert "Berlin" in answer["choices"][0]["message"]["content"]
     assert answer["model"] == "SmolLM2-135M-Instruct" and answer["usage"]["total_tokens"] > 0
     out = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "Paris" in lines[0] and "".join(lines[1:]).strip()  # the chat answer, then the streamed text
+    assert "Berlin" in lines[0] and "".join(lines[1:]).strip()  # the chat answer, then the streamed text
     busy = subprocess.run([SPECSERVE, "serve", "--port", str(port)], capture_output=True, text=True,
                           timeout=60)
     assert busy.returncode == 1 and "cannot listen" in busy.stderr  # before loading any model
