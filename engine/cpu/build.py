@@ -31,7 +31,8 @@ from engine.config import cache_dir
 logger = logging.getLogger(__name__)
 
 # -ffp-contract=off: no compiler fuses a kernel's scalar code its own way, so every ISA gives the same bits.
-BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
+# -Werror=undef: a name #if cannot see (an enum) is an error, not a silent 0 that picks another ISA's tiles.
+BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-Werror=undef"]
 # Hardening that costs these kernels nothing (no stack arrays in the hot loops, a few external calls
 # per kernel call); tools/bench_small_gemm.py shows it.
 HARDENING_FLAGS = ["-fstack-protector-strong", "-D_FORTIFY_SOURCE=2"]

@@ -168,6 +168,8 @@ int small_gemm_init(void *blas_sgemm, int want_max_m) {
 }
 
 const char *small_gemm_isa(void) { return SS_ISA_NAME; }
+// Weight rows per register tile of NT products (tests check each ISA gets its own).
+int small_gemm_wide_rows(void) { return WIDE_R; }
 
 // The threads larger products are split between (engine/cpu/threads.py; 0: OpenMP's default).
 void small_gemm_threads(int n) { __atomic_store_n(&threads, n, __ATOMIC_RELAXED); }

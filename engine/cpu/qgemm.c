@@ -269,6 +269,9 @@ static int weights_of(int fmt, int N, int K, int group, const void *w, const voi
     return 0;
 }
 
+// Weight rows a register tile takes at M activation rows (0 past MB2): tests check each ISA gets its own.
+int qgemm_tile_rows(int fmt, int M) { return M >= 1 && M <= MB2 ? TILE_R(fmt, M) : 0; }
+
 // Returns 0, or -1 for arguments it does not handle (the caller dequantizes instead).
 int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, const void *w, const void *scales,
           const void *biases, int sdtype, float *C, int ldc, int max_threads) {

@@ -23,7 +23,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #if defined(SS_ISA_AVX512)
 #include <immintrin.h>
 #define SS_ISA_NAME "avx512"
-enum { SS_VREGS = 32 };  // architectural vector registers, in logical vectors
+#define SS_VREGS 32  // architectural vector registers, in logical vectors (a macro: kernels test it in #if)
 typedef __m512 vf;
 typedef __m512i vq;  // 16 packed bytes of 4-bit weights, one byte per 32-bit lane
 typedef __m512 vtab;  // a 4-bit group's 16 dequantized values
@@ -89,7 +89,7 @@ SS_INLINE vf vsel_ge(vf x, vf t, vf a, vf b) { return _mm512_mask_blend_ps(_mm51
 #elif defined(SS_ISA_AVX2)
 #include <immintrin.h>
 #define SS_ISA_NAME "avx2"
-enum { SS_VREGS = 8 };
+#define SS_VREGS 8
 typedef struct { __m256 lo, hi; } vf;
 typedef struct { __m256i lo, hi; } vq;  // the bytes of 16 packed 4-bit pairs, one per 32-bit lane
 typedef struct { __m256 s, b; } vtab;
@@ -182,7 +182,7 @@ SS_INLINE vf vsel_ge(vf x, vf t, vf a, vf b) {
 #elif defined(SS_ISA_NEON)
 #include <arm_neon.h>
 #define SS_ISA_NAME "neon"
-enum { SS_VREGS = 8 };
+#define SS_VREGS 8
 typedef float32x4x4_t vf;
 typedef uint8x16_t vq;
 typedef struct { float32x4_t s, b; } vtab;

@@ -207,3 +207,21 @@ def test_an_edited_include_rebuilds_the_library(tmp_path: Path) -> None:
     inc.write_text("#define VALUE 2\n")
     second = cbuild.build_library(src, "inc", ["-shared", "-fPIC"], tmp_path / "out", includes=[inc])
     assert second != first and _answer(second) == 2
+
+
+def test_register_tiles_follow_the_isa(isa: str) -> None:
+    """Each build sizes its register tiles to its own vector registers: 32 zmm take 4 weight rows at once
+    (4-bit and float32 NT products), 16 ymm or NEON's logical vectors fewer. (A register count #if could not
+    see once gave AVX-512 the AVX2 tiles: the same bits at half the speed.)"""
+    if isa == "none":
+        pytest.skip("no kernel ISA runs here")
+    from engine.cpu import qgemm
+
+    q = qgemm._lib(isa)
+    gemm = ctypes.CDLL(str(small_gemm.build(isa)))  # local symbols: the engine's BLAS hook stays as it is
+    q4, f32 = 4, 5  # qgemm.c's FMT_Q4, FMT_F32
+    wide = 4 if isa == "avx512" else 2
+    assert gemm.small_gemm_wide_rows() == wide
+    assert [q.qgemm_tile_rows(q4, m) for m in (1, 6, 7, 12, 13)] == \
+        ([4, 4, 2, 2, 0] if isa == "avx512" else [1, 1, 0, 0, 0])
+    assert q.qgemm_tile_rows(f32, 1) == (4 if isa == "avx512" else 2)

@@ -56,8 +56,9 @@ def _native(isa: str, tmp: Path) -> dict[str, bytes]:
 def _neon(tmp: Path) -> dict[str, bytes]:
     exe, dump = tmp / "harness-neon", tmp / "neon.bin"
     # The flags the engine builds NEON kernels with, for a generic ARMv8 target instead of -mcpu=native.
-    _run([CROSS_CC, "-O3", "-fopenmp", "-ffp-contract=off", "-march=armv8-a", "-DSS_ISA_NEON", "-static",
-          "-I", str(ROOT / "engine/cpu"), *map(str, SOURCES), "-o", str(exe), "-lm"],
+    _run([CROSS_CC, "-O3", "-fopenmp", "-ffp-contract=off", "-Werror=undef", "-march=armv8-a",
+          "-DSS_ISA_NEON", "-static", "-I", str(ROOT / "engine/cpu"), *map(str, SOURCES), "-o", str(exe),
+          "-lm"],
          "cross-compiling for NEON", 300)
     _run([QEMU, str(exe), str(dump), "quick"], "the NEON harness under qemu", 600)
     return _records(dump)
