@@ -13,6 +13,7 @@ from engine.attention.cpu import cpu_paged_attention
 from engine.attention.selector import attention_for_cache
 from engine.config import EngineConfig
 from engine.cpu.layers import build_stack
+from engine.cpu.qgemm import INT8_AUTO_ISAS
 from engine.detokenize import IncrementalDetokenizer, StopMatcher
 from engine.distributed import TensorParallel
 from engine.faults import FaultInjector, InjectedFault
@@ -100,8 +101,10 @@ class EngineCore:
         self.runner.vocab_size = self.loaded.vocab_size
         self.runner.tp = self.tp
         int8 = set_activation_precision(model, config.activation_precision)
-        logger.info("activation precision: %s",
-                    "int8 (4-bit products), float32 elsewhere" if int8 else "float32")
+        logger.info("activation precision: %s%s",
+                    "int8 (4-bit products), float32 elsewhere" if int8 else "float32",
+                    f" (auto: int8 on {', '.join(sorted(INT8_AUTO_ISAS))} kernels only)"
+                    if config.activation_precision == "auto" and not int8 else "")
         if self.tp is None:
             stack, why = build_stack(model, self.kv_cache, layout.windows,
                                      attention_fn is cpu_paged_attention, self.loaded.config, act_int8=int8)

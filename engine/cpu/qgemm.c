@@ -253,8 +253,11 @@ static inline void share(int N, int n, int t, int *j0, int *j1) {
 
 // Row i of A ([K] floats) as qgemm's 4-bit blocks read it: each 32 as their 16 even then 16 odd elements.
 static inline void q4_permute_row(const float *a, int K, float *d) {
-    for (int k = 0; k < K; k += 32)
-        for (int i = 0; i < 16; i++) d[k + i] = a[k + 2 * i], d[k + 16 + i] = a[k + 2 * i + 1];
+    for (int k = 0; k < K; k += 32) {
+        vf even, odd;
+        vdeint(a + k, &even, &odd);
+        vstore(d + k, even), vstore(d + k + 16, odd);
+    }
 }
 
 // The Weights for a product, or -1 for arguments the kernel does not handle.
@@ -347,47 +350,50 @@ static inline int i8_padded_blocks(int K) { return (K / 32 + 7) / 8 * 8; }
 static void q8_quantize_row(const float *a, int K, int8_t *q, float *d, float *s) {
     const int nb = K / 32;
     for (int b = 0; b < nb; b++) {
-        const float *x = a + (size_t)b * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            const float v = fabsf(x[i]);
-            amax = v > amax ? v : amax;  // not fmaxf: a libm call where it is not inlined
-        }
+        vf even, odd;
+        vdeint(a + (size_t)b * 32, &even, &odd);
+        const float amax = vhmax(vmax(vabs(even), vabs(odd)));
         const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            const int v = (int)lrintf(x[i] * id);
-            q[(size_t)b * 32 + (i & 1) * 16 + i / 2] = (int8_t)v;
-            sum += v;
-        }
+        // Rounded to nearest, ties to even (lrintf's rounding); integers below 2^24 sum exactly in floats.
+        const vf qe = vround(vmul(even, vset1(id))), qo = vround(vmul(odd, vset1(id)));
+        vstore_i8(q + (size_t)b * 32, qe), vstore_i8(q + (size_t)b * 32 + 16, qo);
         d[b] = dd;
-        s[b] = dd * (float)sum;
+        s[b] = dd * vhsum(vadd(qe, qo));
     }
     for (int b = nb; b < i8_padded_blocks(K); b++) d[b] = s[b] = 0.0f;
 }
 
-// Weight row j against activation rows 0..M-1 of X (M <= 4).
+// Activation rows per int8 block: 2 accumulators a row (even and odd blocks) beside 2 weight vectors.
+#if SS_VREGS >= 32
+enum { I8_MB = 8 };
+#else
+enum { I8_MB = 4 };
+#endif
+#define I8_EACH(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+// Weight row j against activation rows 0..M-1 of X (M <= I8_MB).
 SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, int ldc, int j) {
     const int K = W->K, nb = K / 32, nbp = X->nbp, gs = __builtin_ctz((unsigned)(W->group / 32));
     // Per block: the weight scale and bias (group 32: as stored; wider groups repeated), zero-padded.
-    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], sd[4][MAX_BLOCKS];
+    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], sd[8][MAX_BLOCKS], bias[8];  // 8: the most rows a block takes
     group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, sc);
     group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, bi);
     if (gs > 0)
         for (int b = nb - 1; b >= 0; b--) sc[b] = sc[b >> gs], bi[b] = bi[b >> gs];  // in place, from the end
     for (int b = nb; b < nbp; b++) sc[b] = bi[b] = 0.0f;
-    iacc v0 = iacc_zero(), v1 = v0, v2 = v0, v3 = v0, e0 = v0, e1 = v0, e2 = v0, e3 = v0;
-    iacc o0 = v0, o1 = v0, o2 = v0, o3 = v0;
-    const int8_t *x0 = X->q, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-    const float *d0 = X->d, *d1 = d0 + nbp, *d2 = d1 + nbp, *d3 = d2 + nbp;
-#define I8_BIAS(i)                                                                                      \
-    if ((i) < M)                                                                                        \
-        for (int b = 0; b < nbp; b += 8) {                                                              \
-            v##i = iacc_fma(iacc_load(bi + b), iacc_load(X->s + (size_t)(i) * nbp + b), v##i);          \
-            iacc_store(sd[i] + b, iacc_mul(iacc_load(sc + b), iacc_load(d##i + b)));                    \
+    // The bias terms first (8-lane FMAs over the blocks, one horizontal sum), and each block's s * d.
+    for (int i = 0; i < M; i++) {
+        const float *d = X->d + (size_t)i * nbp, *xs = X->s + (size_t)i * nbp;
+        iacc v = iacc_zero();
+        for (int b = 0; b < nbp; b += 8) {
+            v = iacc_fma(iacc_load(bi + b), iacc_load(xs + b), v);
+            iacc_store(sd[i] + b, iacc_mul(iacc_load(sc + b), iacc_load(d + b)));
         }
-    I8_BIAS(0) I8_BIAS(1) I8_BIAS(2) I8_BIAS(3)
-#undef I8_BIAS
+        bias[i] = ihsum(v);
+    }
+#define I8_INIT(i) iacc e##i = iacc_zero(), o##i = e##i; const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K;
+    I8_EACH(I8_INIT)
+#undef I8_INIT
     const uint8_t *row = W->w + (size_t)j * (K / 2);
 #define I8_PAIR(i)                                                                                      \
     if ((i) < M) {                                                                                      \
@@ -400,34 +406,35 @@ SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, 
         if (!(b & 3)) vprefetch((const char *)row + (size_t)b * 16 + PREFETCH_BYTES);
         iw w0, w1;
         iw_q4x2(row + (size_t)b * 16, &w0, &w1);
-        I8_PAIR(0) I8_PAIR(1) I8_PAIR(2) I8_PAIR(3)
+        I8_EACH(I8_PAIR)
     }
     if (b < nb) {
         const iw w0 = iw_q4(row + (size_t)b * 16);
-        I8_LAST(0) I8_LAST(1) I8_LAST(2) I8_LAST(3)
+        I8_EACH(I8_LAST)
     }
 #undef I8_PAIR
 #undef I8_LAST
-    if (M > 0) C[j] = ihsum(iacc_add(e0, o0)) + ihsum(v0);
-    if (M > 1) C[(size_t)ldc + j] = ihsum(iacc_add(e1, o1)) + ihsum(v1);
-    if (M > 2) C[2 * (size_t)ldc + j] = ihsum(iacc_add(e2, o2)) + ihsum(v2);
-    if (M > 3) C[3 * (size_t)ldc + j] = ihsum(iacc_add(e3, o3)) + ihsum(v3);
+#define I8_OUT(i) if ((i) < M) C[(size_t)(i) * ldc + j] = ihsum(iacc_add(e##i, o##i)) + bias[i];
+    I8_EACH(I8_OUT)
+#undef I8_OUT
 }
 
 typedef void (*block_i8_fn)(const Weights *, const QAct *, float *, int, int);
-static void bi8_1(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(1, W, X, C, ldc, j); }
-static void bi8_2(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(2, W, X, C, ldc, j); }
-static void bi8_3(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(3, W, X, C, ldc, j); }
-static void bi8_4(const Weights *W, const QAct *X, float *C, int ldc, int j) { block_i8(4, W, X, C, ldc, j); }
-static const block_i8_fn BLOCKS_I8[5] = {0, bi8_1, bi8_2, bi8_3, bi8_4};
+#define DEF_I8(M) static void bi8_##M(const Weights *W, const QAct *X, float *C, int ldc, int j) { \
+        block_i8(M, W, X, C, ldc, j); }
+DEF_I8(1) DEF_I8(2) DEF_I8(3) DEF_I8(4) DEF_I8(5) DEF_I8(6) DEF_I8(7) DEF_I8(8)
+#undef DEF_I8
+static const block_i8_fn BLOCKS_I8[9] = {0, bi8_1, bi8_2, bi8_3, bi8_4, bi8_5, bi8_6, bi8_7, bi8_8};
 
-// Weight rows j0..j1-1 against all M quantized rows, four activation rows at a time.
+// Weight rows j0..j1-1 against all M quantized rows, in balanced chunks of at most I8_MB rows.
 static void run_i8(const Weights *W, int M, int j0, int j1, const QAct *X, float *C, int ldc) {
-    for (int i0 = 0; i0 < M; i0 += 4) {
-        const int m = M - i0 < 4 ? M - i0 : 4;
+    const int chunks = (M + I8_MB - 1) / I8_MB;
+    for (int c = 0, i0 = 0; c < chunks; c++) {
+        const int m = (M - i0) / (chunks - c);
         const size_t at = (size_t)i0 * X->nbp;
         const QAct Xi = {X->q + (size_t)i0 * X->K, X->d + at, X->s + at, X->K, X->nbp};
         for (int j = j0; j < j1; j++) BLOCKS_I8[m](W, &Xi, C + (size_t)i0 * ldc, ldc, j);
+        i0 += m;
     }
 }
 

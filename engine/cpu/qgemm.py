@@ -26,6 +26,17 @@ MAX_GROUPS = 1024  # qgemm.c: groups per weight row
 _SCALE_DTYPES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 
+# Where `--activation-precision auto` takes 8-bit activations: the ISAs whose int8 kernel beats their float
+# 4-bit kernel (docs/cpu-backend.md). AVX-512's float kernel reads each nibble's value from a lane-permute
+# table and stays ahead; NEON's integer dot products are plain C lanes.
+INT8_AUTO_ISAS = frozenset({"avx2"})
+
+
+def int8_by_default(isa: str | None = None) -> bool:
+    """Whether `auto` activation precision means int8 on this ISA (the selected one by default)."""
+    return (isa or selected_isa()) in INT8_AUTO_ISAS
+
+
 def unsupported_reason(isa: str | None = None) -> str | None:
     """Why the kernel cannot run here (None: it can)."""
     return cpu_kernel_reason(lambda: _lib(isa), "engine/cpu/qgemm.c", isa)

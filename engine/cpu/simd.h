@@ -79,6 +79,17 @@ SS_INLINE vtab vtab_make(vf s, vf b) {
 SS_INLINE vf vq_lo(vq q, vtab t) { return _mm512_permutexvar_ps(q, t); }
 SS_INLINE vf vq_hi(vq q, vtab t) { return _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t); }
 SS_INLINE vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// 32 floats at p as their 16 even-indexed and 16 odd-indexed elements (data movement only).
+SS_INLINE void vdeint(const float *p, vf *even, vf *odd) {
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+    *even = _mm512_permutex2var_ps(lo, ev, hi);
+    *odd = _mm512_permutex2var_ps(lo, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), hi);
+}
+SS_INLINE vf vabs(vf x) { return _mm512_abs_ps(x); }
+SS_INLINE float vhmax(vf v) { return _mm512_reduce_max_ps(v); }  // max is exact in any order
+// 16 integral lanes in [-128, 127] as int8.
+SS_INLINE void vstore_i8(int8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 // p * 2^n for integer-valued n in [-126, 127] (exact while the result is normal).
 SS_INLINE vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 // v where x >= t, else 0.
@@ -167,6 +178,31 @@ SS_INLINE vf vround(vf x) {
     return vf2(_mm256_round_ps(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                _mm256_round_ps(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+SS_INLINE __m256 ss_even8(__m256 a, __m256 b, int odd) {  // elements 2i (+ odd) of a then of b
+    const __m256 t = odd ? _mm256_shuffle_ps(a, b, 0xDD) : _mm256_shuffle_ps(a, b, 0x88);
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), 0xD8));
+}
+SS_INLINE void vdeint(const float *p, vf *even, vf *odd) {
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8), c = _mm256_loadu_ps(p + 16),
+                 d = _mm256_loadu_ps(p + 24);
+    *even = vf2(ss_even8(a, b, 0), ss_even8(c, d, 0));
+    *odd = vf2(ss_even8(a, b, 1), ss_even8(c, d, 1));
+}
+SS_INLINE vf vabs(vf x) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    return vf2(_mm256_and_ps(x.lo, m), _mm256_and_ps(x.hi, m));
+}
+SS_INLINE float vhmax(vf v) {
+    __m256 m = _mm256_max_ps(v.lo, v.hi);
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+SS_INLINE void vstore_i8(int8_t *p, vf v) {
+    const __m256i w = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));  // per 128 lanes
+    const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storeu_si128((__m128i *)p, _mm_shuffle_epi32(b, 0xD8));  // lanes 0-3, 8-11, 4-7, 12-15 -> in order
+}
 SS_INLINE __m256 ss_pow2(__m256 n) {  // 2^n from the exponent bits (n in [-126, 127])
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
@@ -246,6 +282,19 @@ SS_INLINE vf ss_nibbles(uint8x16_t q, vtab t) {
 SS_INLINE vf vq_lo(vq q, vtab t) { return ss_nibbles(vandq_u8(q, vdupq_n_u8(15)), t); }
 SS_INLINE vf vq_hi(vq q, vtab t) { return ss_nibbles(vshrq_n_u8(q, 4), t); }
 SS_INLINE vf vround(vf x) { SS_EACH(vrndnq_f32, x.val[i_]) }
+SS_INLINE void vdeint(const float *p, vf *even, vf *odd) {
+    for (int i = 0; i < 4; i++) {
+        const float32x4x2_t t = vld2q_f32(p + 8 * i);
+        even->val[i] = t.val[0], odd->val[i] = t.val[1];
+    }
+}
+SS_INLINE vf vabs(vf x) { SS_EACH(vabsq_f32, x.val[i_]) }
+SS_INLINE float vhmax(vf v) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(v.val[0], v.val[1]), vmaxq_f32(v.val[2], v.val[3]))); }
+SS_INLINE void vstore_i8(int8_t *p, vf v) {
+    const int16x8_t a = vcombine_s16(vmovn_s32(vcvtnq_s32_f32(v.val[0])), vmovn_s32(vcvtnq_s32_f32(v.val[1])));
+    const int16x8_t b = vcombine_s16(vmovn_s32(vcvtnq_s32_f32(v.val[2])), vmovn_s32(vcvtnq_s32_f32(v.val[3])));
+    vst1q_s8(p, vcombine_s8(vmovn_s16(a), vmovn_s16(b)));
+}
 SS_INLINE float32x4_t ss_pow2(float32x4_t n) {
     return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23));
 }

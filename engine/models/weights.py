@@ -262,10 +262,14 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
 
 def set_activation_precision(model: nn.Module, choice: str) -> bool:
     """Point every C-kernel product whose weights the int8 kernel reads (4-bit) at 8-bit activations
-    (`auto`, `int8`), or keep float32 activations everywhere (`float32`). Returns whether any product now
-    takes int8 activations; `int8` with no such weights raises ValueError."""
+    (`int8`; `auto` where the kernels' ISA is one the int8 kernel is faster on), or keep float32 activations
+    everywhere (`float32`). Returns whether any product now takes int8 activations; `int8` with no such
+    weights raises ValueError."""
+    from engine.cpu.qgemm import int8_by_default
+
     packed = [m._packed for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
-    int8 = [p for p in packed if p.int8_serves()] if choice != "float32" else []
+    wanted = choice == "int8" or (choice == "auto" and int8_by_default())
+    int8 = [p for p in packed if p.int8_serves()] if wanted else []
     if choice == "int8" and not int8:
         raise ValueError("--activation-precision int8 needs 4-bit weights multiplied by the C kernels "
                          "(this model has none: use auto or float32)")

@@ -1,5 +1,5 @@
 """Speculation stays exact with 8-bit activations: the default model as stored (4-bit layers, 8-bit head),
-its 4-bit products taking int8 activations (`--activation-precision auto`), greedy output with ngram, the
+its 4-bit products taking int8 activations (`--activation-precision int8`), greedy output with ngram, the
 shipped MTP assistant and draft_model equals plain decoding alone and at batch 8, seeded sampled requests
 beside them included."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu.qgemm import unsupported_reason
+from engine.cpu.qgemm import int8_by_default, unsupported_reason
 from engine.llm import LLM
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
@@ -28,7 +28,7 @@ METHODS = {
     "draft_model": {"method": "draft_model", "model": None, "num_speculative_tokens": 3,
                     "draft_sample_method": "greedy"},
 }
-KW = dict(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False)
+KW = dict(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False, activation_precision="int8")
 
 
 @functools.cache
@@ -39,10 +39,12 @@ def stored() -> LoadedModel:
 def test_int8_is_what_runs() -> None:
     llm = LLM(loaded=stored(), **KW)
     assert llm.core.runner.stack is not None and llm.core.runner.stack.stack.act_int8 == 1
-    exact = LLM(loaded=stored(), activation_precision="float32", **KW)
+    exact = LLM(loaded=stored(), **{**KW, "activation_precision": "float32"})
     assert exact.core.runner.stack.stack.act_int8 == 0
+    auto = LLM(loaded=stored(), **{**KW, "activation_precision": "auto"})  # int8 where it is the faster
+    assert auto.core.runner.stack.stack.act_int8 == int(int8_by_default())
     with pytest.raises(ValueError, match="needs 4-bit weights"):
-        LLM(loaded=load_model(None, dtype="float32", progress=False), activation_precision="int8", **KW)
+        LLM(loaded=load_model(None, dtype="float32", progress=False), **KW)
 
 
 @pytest.mark.parametrize("method", list(METHODS))
