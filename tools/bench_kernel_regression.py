@@ -70,8 +70,9 @@ toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 16)]
 tables = [list(range(1 + r * blocks, 1 + (r + 1) * blocks)) for r in range(8)]
 for dtype in (None, "float32"):
     kw = {} if dtype is None else {"dtype": dtype}
+    args = {k: v for k, v in extra.items() if dtype is None or v != "int8"}  # float32 weights: no int8
     llm = LLM(loaded=load_model(None, progress=False, **kw), kv_cache_memory="1GiB", max_model_len=2048,
-              show_progress=False, **extra)
+              show_progress=False, **args)
     runner = llm.core.runner
     for table in tables:
         mx.eval(runner.forward_chunks([(toks[:ctx], 0, table, 1)]))
