@@ -97,18 +97,8 @@ def add_hyperparameters(w: gguf.GGUFWriter, head_dim: int | None = None) -> None
     w.add_layer_norm_rms_eps(EPS)
 
 
-def write_tiny_gguf(path: Path, types: dict[str, QT], vocab: dict, add_bos: bool = False,
-                    extra: dict[str, np.ndarray] | None = None,
-                    arch: str = "llama") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Write a tiny llama; return its HF-layout weights as stored (dequantized) and as drawn.
-
-    `types` maps "embd", "layers" and "output" (absent: tied embeddings) to a GGML type. The
-    same weights are drawn whatever the types.
-    """
-    rng = np.random.default_rng(1)
-    w = gguf.GGUFWriter(str(path), arch)
-    add_hyperparameters(w)
-    w.add_rope_dimension_count(HEAD_DIM)
+def add_vocab(w: gguf.GGUFWriter, vocab: dict) -> None:
+    """The tokenizer keys (the optional ones where `vocab` has them) and the chat template."""
     w.add_tokenizer_model(vocab["model"])
     if "pre" in vocab:
         w.add_tokenizer_pre(vocab["pre"])
@@ -124,8 +114,23 @@ def write_tiny_gguf(path: Path, types: dict[str, QT], vocab: dict, add_bos: bool
         w.add_pad_token_id(vocab["pad"])
     if "unk" in vocab:
         w.add_unk_token_id(vocab["unk"])
-    w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_tiny_gguf(path: Path, types: dict[str, QT], vocab: dict, add_bos: bool = False,
+                    extra: dict[str, np.ndarray] | None = None,
+                    arch: str = "llama") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Write a tiny llama; return its HF-layout weights as stored (dequantized) and as drawn.
+
+    `types` maps "embd", "layers" and "output" (absent: tied embeddings) to a GGML type. The
+    same weights are drawn whatever the types.
+    """
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(path), arch)
+    add_hyperparameters(w)
+    w.add_rope_dimension_count(HEAD_DIM)
+    add_vocab(w, vocab)
+    w.add_add_bos_token(add_bos)
 
     expected: dict[str, np.ndarray] = {}
     original: dict[str, np.ndarray] = {}
@@ -455,14 +460,7 @@ def test_qwen_gguf_serves_transformers_logits(tmp_path: Path, arch: str) -> None
             prm.mul_(3.0) if prm.ndim == 2 else prm.add_(0.1 * torch.randn_like(prm))
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
     add_hyperparameters(w, head_dim)
-    w.add_tokenizer_model(vocab["model"])
-    w.add_tokenizer_pre(vocab["pre"])
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(vocab["bos"])
-    w.add_eos_token_id(vocab["eos"])
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, vocab)
     for name, value in ref.state_dict().items():
         if name != "lm_head.weight":  # tied
             w.add_tensor(_gguf_name(name), value.numpy().astype(np.float32))

@@ -24,8 +24,8 @@ from gguf import GGMLQuantizationType as QT
 from engine.models.gguf import MARKER_NAME, is_current, read_gguf
 from engine.models.gguf_file import read_file, tensor_arrays
 from tests.engine.test_gguf import (
-    CHAT_TEMPLATE,
     _smollm2_path,
+    add_vocab,
     gpt2_vocab,
     llama_cpp_permute,
     write_tiny_gguf,
@@ -74,14 +74,7 @@ def _write(path: Path, embd: QT, layers: list[QT]) -> tuple[dict[str, np.ndarray
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model(vocab["model"])
-    w.add_tokenizer_pre(vocab["pre"])
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(vocab["bos"])
-    w.add_eos_token_id(vocab["eos"])
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, vocab)
     expected: dict[str, np.ndarray] = {}
     stored_values: dict[str, np.ndarray] = {}
 
