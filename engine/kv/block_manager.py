@@ -108,13 +108,6 @@ class BlockPool:
         block.parent_hash, block.cache_salt = parent_hash, cache_salt
         self._by_hash.setdefault(block_hash, block_id)
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = ()
-            block.parent_hash = block.cache_salt = None
-        self._by_hash.clear()
-
 
 @dataclass(slots=True)
 class _ReqBlocks:

@@ -308,8 +308,3 @@ def make_caches(assistant: LoadedAssistant, kv: PagedKVCache, meta: AttentionMet
             c.attention_fn = attention_fn
         caches.append(c)
     return caches
-
-
-def set_metadata(caches: list[ReadOnlyPagedCache], meta: AttentionMetadata | None) -> None:
-    for c in caches:
-        c.meta = meta

@@ -1,4 +1,4 @@
-"""Sampled draft verification (issue #36): pure functions over probability arrays, numpy only.
+"""Sampled draft verification: pure functions over probability arrays, numpy only.
 
 The runner hands over the processed target rows (temperature, top-k/top-p/min-p and penalties already
 applied) and the uniforms; nothing here draws randomness, so a step replays exactly from its uniforms.
