@@ -41,34 +41,6 @@ typedef struct {
     int act_int8;                   // 4-bit products take 8-bit activations (qgemm_i8's arithmetic)
 } Stack;
 
-// A product's input kept as the 4-bit kernels read it: permuted floats (xp), or quantized rows (qa).
-typedef struct {
-    float *xp;
-    int8_t *q;
-    float *ds;  // [T, nbp] scales, then [T, nbp] scaled sums
-    int K, nbp, T;
-} Q4In;
-
-static int q4in_alloc(Q4In *a, int int8, int T, int K) {
-    a->K = K, a->T = T, a->nbp = i8_padded_blocks(K), a->xp = NULL, a->q = NULL, a->ds = NULL;
-    if (!int8) return (a->xp = malloc(sizeof(float) * T * K)) != NULL;
-    a->q = malloc((size_t)T * K);
-    a->ds = malloc(sizeof(float) * 2 * (size_t)T * a->nbp);
-    return a->q && a->ds;
-}
-
-static void q4in_free(Q4In *a) { free(a->xp), free(a->q), free(a->ds); }
-
-// Row t of x into a's row t.
-static void q4in_row(const Q4In *a, const float *x, int t) {
-    if (a->xp) {
-        q4_permute_row(x, a->K, a->xp + (size_t)t * a->K);
-        return;
-    }
-    q8_quantize_row(x, a->K, a->q + (size_t)t * a->K, a->ds + (size_t)t * a->nbp,
-                    a->ds + (size_t)(a->T + t) * a->nbp);
-}
-
 static int mat_weights(const Mat *m, Weights *W) {
     return weights_of(m->fmt, m->n, m->k, m->group, m->w, m->scales, m->biases, m->sdtype, W);
 }
@@ -82,7 +54,7 @@ static void matmul_share(const Mat *m, int T, const float *x, const Q4In *xp, fl
     share(m->n, nth, tid, j0, j1);
     if (*j0 >= *j1) return;
     if (m->fmt == FMT_Q4 && xp->q) {
-        const QAct X = {xp->q, xp->ds, xp->ds + (size_t)T * xp->nbp, xp->K, xp->nbp};
+        const QAct X = q4in_act(xp);
         run_i8(&W, T, *j0, *j1, &X, y, m->n);
     } else {
         run(&W, T, *j0, *j1, m->fmt == FMT_Q4 ? xp->xp : x, m->k, y, m->n, buf);
@@ -161,8 +133,8 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     if ((size_t)I > Kmax) Kmax = (size_t)I;
     // Each input some layer's product reads at 4 bits is also kept as the 4-bit kernels read it.
     Q4In xp = {0}, attp = {0}, gp = {0};
-    const int a8 = m->act_int8;
-    int ok = (!(pq || pg) || q4in_alloc(&xp, a8, T, D)) & (!po || q4in_alloc(&attp, a8, T, (int)qn)) &
+    const int a8 = m->act_int8, px = pq || pg;
+    int ok = (!px || q4in_alloc(&xp, a8, T, D)) & (!po || q4in_alloc(&attp, a8, T, (int)qn)) &
              (!pd || q4in_alloc(&gp, a8, T, I));
     float *x = malloc(sizeof(float) * T * D);
     float *q = malloc(sizeof(float) * T * qn), *k = malloc(sizeof(float) * T * kn), *v = malloc(sizeof(float) * T * kn);
@@ -172,7 +144,6 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     float *scores = malloc(sizeof(float) * (size_t)nth * G * (max_ctx > 0 ? max_ctx : 1));
     float *bufs = T > MB2 ? malloc(sizeof(float) * (size_t)nth * WRB * Kmax) : NULL;
     int rc = ok && x && q && k && v && att && o && g && u && cs && sn && scores ? 0 : -1;
-    const int px = pq || pg;
     if (rc == 0) {
         for (int t = 0; t < T; t++)
             for (int i = 0; i < half; i++) {

@@ -15,7 +15,6 @@
 // 256 is bitwise the row computed alone (so verified drafts get plain decoding's logits).
 #include "simd.h"
 
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -260,6 +259,73 @@ static inline void q4_permute_row(const float *a, int K, float *d) {
     }
 }
 
+// Activations quantized per row for the int8 products (qgemm_i8 below, and the C layers).
+typedef struct {
+    const int8_t *q;     // [M, K], each 32 as 16 even then 16 odd elements
+    const float *d, *s;  // [M, nbp]: block scale, scale * sum of the block's q (zero past K / 32)
+    int K, nbp;
+} QAct;
+
+static inline int i8_padded_blocks(int K) { return (K / 32 + 7) / 8 * 8; }
+
+static void q8_quantize_row(const float *a, int K, int8_t *q, float *d, float *s) {
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+        vf even, odd;
+        vdeint(a + (size_t)b * 32, &even, &odd);
+        const float amax = vhmax(vmax(vabs(even), vabs(odd)));
+        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        // Rounded to nearest, ties to even (lrintf's rounding); integers below 2^24 sum exactly in floats.
+        const vf qe = vround(vmul(even, vset1(id))), qo = vround(vmul(odd, vset1(id)));
+        vstore_i8(q + (size_t)b * 32, qe), vstore_i8(q + (size_t)b * 32 + 16, qo);
+        d[b] = dd;
+        s[b] = dd * vhsum(vadd(qe, qo));
+    }
+    for (int b = nb; b < i8_padded_blocks(K); b++) d[b] = s[b] = 0.0f;
+}
+
+// A product's input as the 4-bit kernels read it: permuted floats (xp, float activations) or rows
+// quantized to int8 (q, with ds: [T, nbp] block scales, then [T, nbp] scaled sums).
+typedef struct {
+    float *xp;
+    int8_t *q;
+    float *ds;
+    int K, nbp, T;
+} Q4In;
+
+static int q4in_alloc(Q4In *a, int int8, int T, int K) {
+    a->K = K, a->T = T, a->nbp = i8_padded_blocks(K), a->xp = NULL, a->q = NULL, a->ds = NULL;
+    if (!int8) return (a->xp = malloc(sizeof(float) * (size_t)T * K)) != NULL;
+    a->q = malloc((size_t)T * K);
+    a->ds = malloc(sizeof(float) * 2 * (size_t)T * a->nbp);
+    return a->q && a->ds;
+}
+
+static void q4in_free(Q4In *a) { free(a->xp), free(a->q), free(a->ds); }
+
+// Row t of x into a's row t.
+static void q4in_row(const Q4In *a, const float *x, int t) {
+    if (a->xp) {
+        q4_permute_row(x, a->K, a->xp + (size_t)t * a->K);
+        return;
+    }
+    q8_quantize_row(x, a->K, a->q + (size_t)t * a->K, a->ds + (size_t)t * a->nbp,
+                    a->ds + (size_t)(a->T + t) * a->nbp);
+}
+
+static inline QAct q4in_act(const Q4In *a) {
+    const QAct X = {a->q, a->ds, a->ds + (size_t)a->T * a->nbp, a->K, a->nbp};
+    return X;
+}
+
+// Threads for a product of N weight rows (`bytes` of weights): small ones stay on this thread, larger
+// ones split the weight rows evenly, in multiples of SHARE.
+static int product_threads(size_t bytes, int N, int max_threads) {
+    int nth = omp_get_max_threads();
+    if (max_threads > 0 && nth > max_threads) nth = max_threads;
+    return bytes < 65536 || N < 2 * SHARE || nth < 2 ? 1 : nth;
+}
+
 // The Weights for a product, or -1 for arguments the kernel does not handle.
 static int weights_of(int fmt, int N, int K, int group, const void *w, const void *scales, const void *biases,
                       int sdtype, Weights *W) {
@@ -280,19 +346,14 @@ int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, cons
           const void *biases, int sdtype, float *C, int ldc, int max_threads) {
     Weights W;
     if (M < 1 || weights_of(fmt, N, K, group, w, scales, biases, sdtype, &W)) return -1;
-    float *perm = NULL;
+    Q4In perm = {0};
     if (fmt == FMT_Q4) {
-        perm = malloc(sizeof(float) * (size_t)M * K);
-        if (perm == NULL) return -1;
-        for (int i = 0; i < M; i++) q4_permute_row(A + (size_t)i * lda, K, perm + (size_t)i * K);
-        A = perm;
+        if (!q4in_alloc(&perm, 0, M, K)) return -1;
+        for (int i = 0; i < M; i++) q4in_row(&perm, A + (size_t)i * lda, i);
+        A = perm.xp;
         lda = K;
     }
-    const size_t bytes = row_bytes(fmt, K) * (size_t)N;
-    // Small products stay on this thread; larger ones split the weight rows evenly, in multiples of SHARE.
-    int nth = omp_get_max_threads();
-    if (max_threads > 0 && nth > max_threads) nth = max_threads;
-    if (bytes < 65536 || N < 2 * SHARE || nth < 2) nth = 1;
+    const int nth = product_threads(row_bytes(fmt, K) * (size_t)N, N, max_threads);
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         // Without the buffer (none needed, or malloc failed) every chunk dequantizes in registers: same bits.
@@ -302,7 +363,7 @@ int qgemm(int fmt, int M, int N, int K, int group, const float *A, int lda, cons
         if (j0 < j1) run(&W, M, j0, j1, A, lda, C, ldc, buf);
         free(buf);
     }
-    free(perm);
+    q4in_free(&perm);
     return 0;
 }
 
@@ -338,30 +399,6 @@ int qgemm_rows(int fmt, int N, int K, int group, const void *w, const void *scal
 // (two chains in flight); the bias terms are 8-lane FMAs over blocks 8 at a time; each ends in one fixed
 // horizontal sum. Every element is that sequence whatever M, the chunking and the threads.
 enum { MAX_BLOCKS = MAX_GROUPS + 8 };  // blocks per row, padded to a multiple of 8
-
-typedef struct {
-    const int8_t *q;     // [M, K], each 32 as 16 even then 16 odd elements
-    const float *d, *s;  // [M, nbp]: block scale, scale * sum of the block's q (zero past K / 32)
-    int K, nbp;
-} QAct;
-
-static inline int i8_padded_blocks(int K) { return (K / 32 + 7) / 8 * 8; }
-
-static void q8_quantize_row(const float *a, int K, int8_t *q, float *d, float *s) {
-    const int nb = K / 32;
-    for (int b = 0; b < nb; b++) {
-        vf even, odd;
-        vdeint(a + (size_t)b * 32, &even, &odd);
-        const float amax = vhmax(vmax(vabs(even), vabs(odd)));
-        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        // Rounded to nearest, ties to even (lrintf's rounding); integers below 2^24 sum exactly in floats.
-        const vf qe = vround(vmul(even, vset1(id))), qo = vround(vmul(odd, vset1(id)));
-        vstore_i8(q + (size_t)b * 32, qe), vstore_i8(q + (size_t)b * 32 + 16, qo);
-        d[b] = dd;
-        s[b] = dd * vhsum(vadd(qe, qo));
-    }
-    for (int b = nb; b < i8_padded_blocks(K); b++) d[b] = s[b] = 0.0f;
-}
 
 // Activation rows per int8 block: 2 accumulators a row (even and odd blocks) beside 2 weight vectors.
 #if SS_VREGS >= 32
@@ -450,25 +487,20 @@ int qgemm_i8(int fmt, int M, int N, int K, int group, const float *A, int lda, c
              const void *biases, int sdtype, float *C, int ldc, int max_threads) {
     Weights W;
     if (M < 1 || weights_of(fmt, N, K, group, w, scales, biases, sdtype, &W) || !i8_serves(&W)) return -1;
-    const int nbp = i8_padded_blocks(K);
-    int8_t *q = malloc((size_t)M * K);
-    float *ds = malloc(sizeof(float) * 2 * (size_t)M * nbp);
-    if (q == NULL || ds == NULL) {
-        free(q), free(ds);
+    Q4In a;
+    if (!q4in_alloc(&a, 1, M, K)) {
+        q4in_free(&a);
         return -1;
     }
-    for (int i = 0; i < M; i++)
-        q8_quantize_row(A + (size_t)i * lda, K, q + (size_t)i * K, ds + (size_t)i * nbp, ds + (size_t)(M + i) * nbp);
-    const QAct X = {q, ds, ds + (size_t)M * nbp, K, nbp};
-    int nth = omp_get_max_threads();
-    if (max_threads > 0 && nth > max_threads) nth = max_threads;
-    if (row_bytes(fmt, K) * (size_t)N < 65536 || N < 2 * SHARE || nth < 2) nth = 1;
+    for (int i = 0; i < M; i++) q4in_row(&a, A + (size_t)i * lda, i);
+    const QAct X = q4in_act(&a);
+    const int nth = product_threads(row_bytes(fmt, K) * (size_t)N, N, max_threads);
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         int j0, j1;
         share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
         if (j0 < j1) run_i8(&W, M, j0, j1, &X, C, ldc);
     }
-    free(q), free(ds);
+    q4in_free(&a);
     return 0;
 }
