@@ -71,7 +71,7 @@ class EngineConfig(BaseModel):
     dtype: DType = "auto"
     # Quantize a float checkpoint at load with MLX's affine quantizer (group 64); None: as stored.
     quantization: Quantization | None = None
-    # 4-bit weights multiplied with 8-bit activations (int8; auto where the C kernels serve the weights)
+    # 4-bit weights multiplied with 8-bit activations (int8; auto: on AVX2 kernels, where they are faster)
     # or float32 ones (the exact-float reference).
     activation_precision: Literal["auto", "int8", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=16)

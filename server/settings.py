@@ -46,8 +46,8 @@ class ServerSettings(BaseModel):
     quantization: Literal["q8", "q4"] | None = Field(
         None, description="quantize a float checkpoint's weights at load (MLX affine, group 64)")
     activation_precision: Literal["auto", "int8", "float32"] = Field(
-        "auto", description="activations of 4-bit products: int8 (auto: where the C kernels multiply "
-                            "4-bit weights) or float32 (the exact-float reference)")
+        "auto", description="activations of 4-bit products: int8 (auto: where the C kernels are AVX2, "
+                            "on which int8 is the faster) or float32 (the exact-float reference)")
     max_model_len: int | None = Field(
         None, ge=16, description="context length (default: the model's, at most 32768)")
     max_num_seqs: int = Field(64, ge=1, description="most requests running at once")

@@ -98,8 +98,10 @@ class PackedWeights:
         return self.group % step == 0 and self.k % self.group == 0 and self.k // self.group <= MAX_GROUPS
 
     def int8_serves(self) -> bool:
-        """Whether the int8-activation kernel reads these weights (4-bit, whole 32-value blocks)."""
-        return self.fmt == "q4" and self.supported()
+        """Whether the int8-activation kernel reads these weights (qgemm.c's i8_serves: 4-bit, groups of
+        32 times a power of two)."""
+        blocks = self.group // 32
+        return self.fmt == "q4" and self.supported() and blocks & (blocks - 1) == 0
 
     def pointers(self) -> tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]:
         """Weights, scales, biases as the kernel takes them (float formats: the weights thrice, unread)."""

@@ -116,3 +116,10 @@ def test_refuses_what_it_does_not_serve() -> None:
     assert not pw.int8_serves()
     with pytest.raises(ValueError, match="refused"):
         qgemm_host(np.ones((1, 64), np.float32), pw, int8=True)
+    # 4-bit groups of 96: the float kernel reads them, the int8 one takes 32 times a power of two only.
+    w = mx.array(rng.integers(0, 2**32, (8, 24), dtype=np.uint32))
+    scales, biases = mx.ones((8, 2)), mx.zeros((8, 2))
+    odd = PackedWeights.affine(w, scales, biases, 96, 4)
+    assert odd.supported() and not odd.int8_serves()
+    with pytest.raises(ValueError, match="refused"):
+        qgemm_host(np.ones((1, 192), np.float32), odd, int8=True)
