@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +35,17 @@ def label(requests: int, tokens: int) -> str:
     return f"batch T={requests}" if tokens == 1 else f"batch {requests}x{tokens}"
 
 
-def measure(iters: int) -> dict[str, Any]:
+CONTEXT = 200  # tokens each request has in its cache before the timed steps
+
+
+def prepared_step(runner: Any) -> Callable[[int, int], None]:
+    """Up to 8 requests with a 200-token context each in `runner`'s cache; returns step(requests, tokens):
+    the forward pass of that many requests computing that many tokens each, plus the head and argmax."""
     import mlx.core as mx
 
-    from engine.blas import blas_info
-    from engine.llm import LLM
     from engine.models import adapter
-    from engine.models.loader import load_model
 
-    llm = LLM(loaded=load_model(None, dtype="float32", progress=False), kv_cache_memory="1GiB",
-              max_model_len=2048, show_progress=False)
-    runner = llm.core.runner
-    ctx, blocks = 200, 16
+    ctx, blocks = CONTEXT, 16
     toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 16)]
     tables = [list(range(1 + r * blocks, 1 + (r + 1) * blocks)) for r in range(8)]
     for table in tables:
@@ -55,6 +55,18 @@ def measure(iters: int) -> dict[str, Any]:
         chunks = [(toks[ctx + r : ctx + r + t], ctx, tables[r], t) for r in range(requests)]
         h = runner.forward_chunks(chunks)
         mx.eval(mx.argmax(adapter.compute_logits(runner.model, h), axis=-1))
+
+    return step
+
+
+def measure(iters: int) -> dict[str, Any]:
+    from engine.blas import blas_info
+    from engine.llm import LLM
+    from engine.models.loader import load_model
+
+    llm = LLM(loaded=load_model(None, dtype="float32", progress=False), kv_cache_memory="1GiB",
+              max_model_len=2048, show_progress=False)
+    step = prepared_step(llm.core.runner)
 
     times: dict[str, list[float]] = {label(r, t): [] for r, t in SHAPES}
     for _ in range(iters):

@@ -35,11 +35,9 @@ def _engine(precision: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import mlx.core as mx
-
     from engine.cpu.build import selected_isa
-    from engine.models import adapter
     from loadtests.quality import precision_list
+    from tools.bench_small_gemm import CONTEXT, prepared_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", default="auto:float32,auto:int8")
@@ -47,26 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json", default="results/tmp/step-cost.json")
     args = ap.parse_args(argv)
     names = precision_list(args.precisions)
-    llms = {p: _engine(p) for p in names}
-    ctx, blocks = 200, 16
-    toks = [(i * 7919) % 40000 + 100 for i in range(ctx + 16)]
-    tables = [list(range(1 + r * blocks, 1 + (r + 1) * blocks)) for r in range(8)]
-    for llm in llms.values():
-        for table in tables:
-            mx.eval(llm.core.runner.forward_chunks([(toks[:ctx], 0, table, 1)]))
-
-    def step(runner: Any, requests: int, t: int) -> None:
-        chunks = [(toks[ctx + r : ctx + r + t], ctx, tables[r], t) for r in range(requests)]
-        h = runner.forward_chunks(chunks)
-        mx.eval(mx.argmax(adapter.compute_logits(runner.model, h), axis=-1))
-
+    steps = {p: prepared_step(_engine(p).core.runner) for p in names}
     times: dict[str, dict[str, list[float]]] = {p: {f"{r}x{t}": [] for r, t in SHAPES} for p in names}
     for i in range(args.iters):
         for r, t in SHAPES:
             for p in names if i % 2 == 0 else names[::-1]:
-                runner = llms[p].core.runner
                 t0 = time.perf_counter()
-                step(runner, r, t)
+                steps[p](r, t)
                 times[p][f"{r}x{t}"].append(time.perf_counter() - t0)
     med = {p: {k: statistics.median(v) * 1e3 for k, v in d.items()} for p, d in times.items()}
     rel = {p: {k: v / m["1x1"] for k, v in m.items()} for p, m in med.items()}
@@ -83,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"isa": selected_isa(), "iters": args.iters, "context": ctx,
+    out.write_text(json.dumps({"isa": selected_isa(), "iters": args.iters, "context": CONTEXT,
                                "median_ms": med, "relative_to_1x1": rel}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
