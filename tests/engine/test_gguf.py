@@ -82,14 +82,20 @@ def spm_vocab() -> dict:
             "bos": 1, "eos": 2, "unk": 0}
 
 
-def add_hyperparameters(w: gguf.GGUFWriter, head_dim: int | None = None) -> None:
-    """The tiny model's shape in the architecture's metadata keys (head_dim: written when given)."""
+TINY_SHAPE = (HIDDEN, LAYERS, HEADS, KV_HEADS, FFN)
+
+
+def add_hyperparameters(w: gguf.GGUFWriter, head_dim: int | None = None,
+                        shape: tuple[int, int, int, int, int] = TINY_SHAPE) -> None:
+    """The tiny model's shape in the architecture's metadata keys (head_dim: written when given; shape:
+    hidden, layers, heads, KV heads, feed-forward width)."""
+    hidden, layers, heads, kv_heads, ffn = shape
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
     if head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -25,6 +25,7 @@ from engine.models.gguf import MARKER_NAME, is_current, read_gguf
 from engine.models.gguf_file import read_file, tensor_arrays
 from tests.engine.test_gguf import (
     _smollm2_path,
+    add_hyperparameters,
     add_vocab,
     gpt2_vocab,
     llama_cpp_permute,
@@ -65,15 +66,8 @@ def _write(path: Path, embd: QT, layers: list[QT]) -> tuple[dict[str, np.ndarray
     rng = np.random.default_rng(0)
     vocab = gpt2_vocab()
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    add_hyperparameters(w, shape=(HIDDEN, LAYERS, HEADS, KV_HEADS, FFN))
     w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
     add_vocab(w, vocab)
     expected: dict[str, np.ndarray] = {}
     stored_values: dict[str, np.ndarray] = {}

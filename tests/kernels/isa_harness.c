@@ -104,6 +104,23 @@ static void small_gemm_cases(void) {
     free(A), free(W), free(B), free(full_nt), free(full_nn), free(c);
 }
 
+typedef int (*product_fn)(int, int, int, int, int, const float *, int, const void *, const void *, const void *,
+                          int, float *, int, int);
+
+// One product's 256-row output recorded under `name`, and every row count's rows checked against it.
+static void sweep_product(product_fn fn, const char *name, int fmt, int N, int K, int group, const float *A,
+                          const void *w, const void *s, const void *b, int sd, float *full, float *c) {
+    if (fn(fmt, 256, N, K, group, A, K, w, s, b, sd, full, N, 0)) {
+        fprintf(stderr, "%s refused\n", name);
+        invariance_failures++;
+    }
+    record(name, full, sizeof(float) * 256 * N);
+    for (int m = 1; m < 256; m = next_m(m)) {
+        fn(fmt, m, N, K, group, A, K, w, s, b, sd, c, N, 1);
+        check_rows(name, full, c, m, N);
+    }
+}
+
 static void qgemm_cases(void) {
     const int N = 21, K = 256;  // five 4-row blocks and a row left over
     float *A = floats(256 * (size_t)K, 1.0f), *full = malloc(sizeof(float) * 256 * N), *c = malloc(sizeof(float) * 256 * N);
@@ -118,29 +135,12 @@ static void qgemm_cases(void) {
                         : (void *)bytes(fmt == FMT_Q4 ? nw / 2 : nw);
                 void *s = sd == SC_F32 ? (void *)floats(ng, 0.02f) : (void *)scale_halves(ng, sd == SC_BF16);
                 void *b = sd == SC_F32 ? (void *)floats(ng, 0.5f) : (void *)halves(ng, sd == SC_BF16);
-                char name[64];
+                char name[64], i8[80];
                 snprintf(name, sizeof(name), "qgemm/fmt%d/g%d/s%d", fmt, quant ? group : 0, sd);
-                if (qgemm(fmt, 256, N, K, group, A, K, w, s, b, sd, full, N, 0)) {
-                    fprintf(stderr, "%s refused\n", name);
-                    invariance_failures++;
-                }
-                record(name, full, sizeof(float) * 256 * N);
-                for (int m = 1; m < 256; m = next_m(m)) {
-                    qgemm(fmt, m, N, K, group, A, K, w, s, b, sd, c, N, 1);
-                    check_rows(name, full, c, m, N);
-                }
+                sweep_product(qgemm, name, fmt, N, K, group, A, w, s, b, sd, full, c);
                 if (fmt == FMT_Q4) {  // 8-bit activations: integer sums, the float parts in one order
-                    char i8[80];
                     snprintf(i8, sizeof(i8), "%s/int8", name);
-                    if (qgemm_i8(fmt, 256, N, K, group, A, K, w, s, b, sd, full, N, 0)) {
-                        fprintf(stderr, "%s refused\n", i8);
-                        invariance_failures++;
-                    }
-                    record(i8, full, sizeof(float) * 256 * N);
-                    for (int m = 1; m < 256; m = next_m(m)) {
-                        qgemm_i8(fmt, m, N, K, group, A, K, w, s, b, sd, c, N, 1);
-                        check_rows(i8, full, c, m, N);
-                    }
+                    sweep_product(qgemm_i8, i8, fmt, N, K, group, A, w, s, b, sd, full, c);
                 }
                 const int32_t ids[4] = {0, 20, 7, 7};
                 qgemm_rows(fmt, N, K, group, w, s, b, sd, ids, 4, c);
