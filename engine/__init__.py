@@ -3,4 +3,9 @@
 Importing it changes nothing in the process; `engine.platform.setup()` makes the process-wide choices.
 """
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("specserve")  # pyproject.toml holds the version
+except _metadata.PackageNotFoundError:  # a checkout that was never installed
+    __version__ = "0+unknown"

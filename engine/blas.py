@@ -1,11 +1,5 @@
-"""Pick an optimized BLAS for MLX's CPU backend before `mlx` is first imported.
-
-The `mlx-cpu` wheel on Linux links the reference BLAS, an order of magnitude slower than an optimized
-one. libmlx resolves `cblas_sgemm` from the global symbol scope, so loading an optimized library with
-RTLD_GLOBAL *before* libmlx is loaded makes every float32 matmul use it. `SPECSERVE_BLAS` chooses:
-`auto` (default), `mkl`, `openblas`, `reference`, or a path to a shared library exporting plain
-`cblas_*` symbols.
-"""
+"""Load an optimized BLAS with RTLD_GLOBAL before `mlx` is first imported, so libmlx's `cblas_sgemm` binds to
+it (`SPECSERVE_BLAS`: auto, mkl, openblas, reference or a library path; docs/cpu-backend.md#blas)."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from engine import envs
+from engine.cpu import gemm as small_gemm
 
 _DEBIAN_OPENBLAS = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -53,8 +48,7 @@ def _find_openblas() -> str | None:
 
 
 def _load(path: str) -> tuple[bool, str]:
-    """Load the BLAS into the global symbol scope, the small-M GEMM ahead of it when it can be used.
-    -> (loaded, small-GEMM status)."""
+    """Load the BLAS into the global scope, the small-M GEMM ahead of it -> (loaded, small-GEMM status)."""
     try:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     except OSError:
@@ -62,15 +56,12 @@ def _load(path: str) -> tuple[bool, str]:
     if not hasattr(lib, "cblas_sgemm"):
         return False, "off"
     status = _small_gemm_before(lib)
-    # Promoting the BLAS to global after the kernel keeps the kernel first in the lookup order:
-    # libmlx binds cblas_sgemm to it, and every other BLAS/LAPACK symbol to this library.
+    # Made global after the kernel: libmlx binds cblas_sgemm to the kernel, every other symbol here.
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     return True, status
 
 
 def _small_gemm_before(lib: ctypes.CDLL) -> str:
-    from engine.cpu import gemm as small_gemm
-
     why = small_gemm.unsupported_reason()
     if why is not None:
         return f"off ({why})"

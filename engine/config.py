@@ -1,15 +1,19 @@
-"""Engine configuration. Validated at start-up so that bad settings fail before any work is done."""
+"""Engine configuration, validated at start-up. `EngineOptions` holds the options `specserve serve` exposes
+(its settings and flags are built from them); `read_config_file` reads `--config FILE.yaml`."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine import envs
+from specserve_configs import server_configs
 
 
 def cache_dir() -> Path:
@@ -28,8 +32,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_memory(value: str | int | float) -> tuple[int | None, float | None]:
-    """`--kv-cache-memory`: bytes ("2GiB", "500MB", 1073741824) or a fraction of available memory
-    (0 < f <= 1). Returns (bytes, fraction) with exactly one set."""
+    """`--kv-cache-memory`: bytes ("2GiB", "500MB", 1073741824) or a fraction (0 < f <= 1) of available
+    memory -> (bytes, fraction), exactly one set."""
     if isinstance(value, bool):
         raise ValueError("kv_cache_memory must be a size or a fraction")
     if isinstance(value, (int, float)):
@@ -63,40 +67,64 @@ def available_memory_bytes() -> int:
         return 8 * 2**30
 
 
-class EngineConfig(BaseModel):
+@dataclass(frozen=True)
+class Flag:
+    """How a settings field is spelled as a `specserve serve` flag where its type does not say it."""
+
+    metavar: str | None = None  # "JSON": the text is parsed as JSON before validation
+    negatable: bool = False  # a boolean that also has vLLM's `--no-x` spelling
+    text: bool = False  # passed on as text for the validator (sizes with units)
+    hidden: bool = False  # no flag: a --config key and keyword only (test options)
+
+
+class EngineOptions(BaseModel):
+    """The engine's options `specserve serve` exposes; descriptions are the flags' help."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str | None = Field(None, description="HF folder, GGUF file, Hub id; None: default model")
-    revision: str | None = None
-    dtype: DType = "auto"
-    # Quantize a float checkpoint at load with MLX's affine quantizer (group 64); None: as stored.
-    quantization: Quantization | None = None
-    # 4-bit weights multiplied with 8-bit activations (int8; auto: on AVX2 kernels, where they are faster)
-    # or float32 ones (the exact-float reference).
-    activation_precision: Literal["auto", "int8", "float32"] = "auto"
-    max_model_len: int | None = Field(None, ge=16)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    block_size: int = Field(16, ge=1, le=1024)
-    kv_cache_memory: str | float | int = Field(
-        0.1, description="bytes ('2GiB') or fraction of available memory")
-    enable_prefix_caching: bool = True
-    # Paged attention: Metal kernels where MLX has an Apple GPU, the C kernel on AVX-512 CPUs, else the
-    # MLX gather + attention path.
-    attention_backend: Literal["auto", "metal", "cpu", "reference"] = "auto"
-    # Paged KV tensors: head-major (the CPU default) or block-major (what the Metal kernels read).
-    kv_layout: Literal["auto", "block", "head"] = "auto"
-    # Test-only fault injection (engine/faults.py): fault kind -> trigger token id.
-    fault_injection: dict[str, int] | None = None
-    seed: int | None = None
-    chat_template: str | None = None  # template text, overriding the model's
-    trust_remote_code: bool = False
-    show_progress: bool = True
-    # Ranks the layers are split over (engine/distributed.py); above 1 the process must be one of the
-    # ranks MLX's launcher started.
-    tensor_parallel_size: int = Field(1, ge=1)
-    # A parsed speculative config (engine.spec.config), or JSON text / a mapping to parse.
-    speculative_config: Any = None
+    model: str | None = Field(
+        None, description="HF folder, GGUF file or Hub id (default: SmolLM2-135M-Instruct)")
+    revision: str | None = Field(None, description="Hub revision of the model")
+    dtype: DType = Field(
+        "auto", description="weight precision (auto: as stored, quantized checkpoints stay quantized; "
+                            "float32: dequantized, the exactness reference); the CPU computes in float32")
+    quantization: Quantization | None = Field(
+        None, description="quantize a float checkpoint's weights at load (MLX affine, group 64)")
+    activation_precision: Literal["auto", "int8", "float32"] = Field(
+        "auto", description="activations of 4-bit products: int8 (auto: where the C kernels are AVX2, "
+                            "on which int8 is the faster) or float32 (the exact-float reference)")
+    max_model_len: int | None = Field(
+        None, ge=16, description="context length (default: the model's, at most 32768)")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one engine step")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block (a power of two)")
+    kv_cache_memory: Annotated[str | float | int, Flag(metavar="SIZE")] = Field(
+        0.1, description="KV cache size: bytes (2GiB, 512MiB) or a fraction of available memory")
+    enable_prefix_caching: Annotated[bool, Flag(negatable=True)] = Field(
+        True, description="reuse KV blocks of shared prompt prefixes")
+    attention_backend: Literal["auto", "metal", "cpu", "reference"] = Field(
+        "auto", description="paged attention: Metal kernels (Apple GPUs), the C kernel (CPUs with AVX2, "
+                            "AVX-512 or NEON), the MLX reference path, or auto (the first that runs here)")
+    kv_layout: Literal["auto", "block", "head"] = Field(
+        "auto", description="KV cache layout: head-major (auto on CPUs) or block-major (what the Metal "
+                            "kernels read)")
+    # Test-only (engine/faults.py): fault kind -> trigger token id.
+    fault_injection: Annotated[dict[str, int] | None, Flag(hidden=True)] = Field(
+        None, description="test-only fault injection")
+    seed: int | None = Field(None, description="seed of the sampling key stream for unseeded requests")
+    # The engine takes template text; the server reads a FILE into it.
+    chat_template: Annotated[str | None, Flag(metavar="FILE")] = Field(
+        None, description="chat template FILE (or inline Jinja text) overriding the model's")
+    trust_remote_code: bool = Field(
+        False, description="accepted for vLLM compatibility (no remote code is run)")
+    # Above 1 the process must be a rank MLX's launcher started.
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the model's layers are split over (mx.distributed, ring backend); "
+                             "this machine's ranks are started here, others with --hostfile")
+    # A parsed speculative config, or JSON text / a mapping for EngineConfig to parse.
+    speculative_config: Annotated[Any, Flag(metavar="JSON")] = Field(
+        None, description="speculative decoding config as JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}'")
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -104,10 +132,14 @@ class EngineConfig(BaseModel):
         parse_memory(v)
         return v
 
+
+class EngineConfig(EngineOptions):
+    show_progress: bool = True
+
     @field_validator("speculative_config")
     @classmethod
     def _parse_spec(cls, v: Any) -> Any:
-        from engine.spec.config import parse_speculative_config
+        from engine.spec.config import parse_speculative_config  # imports MLX: after platform.setup()
 
         return v if v is None or hasattr(v, "method") else parse_speculative_config(v)
 
@@ -124,3 +156,57 @@ class EngineConfig(BaseModel):
             return nbytes
         assert frac is not None
         return int(available_memory_bytes() * frac)
+
+
+def _config_file(name: str) -> Path:
+    """--config's file: a path, else a shipped config by name (`mtp` or `mtp.yaml`)."""
+    path = Path(name).expanduser()
+    shipped = server_configs()
+    if not path.exists() and path.name == name and path.stem in shipped and path.suffix in ("", ".yaml"):
+        return shipped[path.stem]
+    return path
+
+
+def read_config_file(name: str, known: Collection[str] | None = None) -> dict[str, Any]:
+    """A --config YAML file as {field name: value}, keys spelled as flags or fields; with `known`, any other
+    key is an error. Raises ValueError."""
+    import yaml  # only --config files are YAML: `import engine.config` stays light
+
+    path = _config_file(name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        missing = isinstance(e, FileNotFoundError)
+        hint = f" (shipped configs: {', '.join(server_configs())})" if missing else ""
+        raise ValueError(f"--config {path}: {e.strerror}{hint}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: invalid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    out = {}
+    for key, value in data.items():
+        key_name = str(key).strip().lstrip("-").replace("-", "_")
+        if known is not None and key_name not in known:
+            raise ValueError(f"--config {path}: unknown key {key!r}")
+        out[key_name] = value
+    _paths_from(path.parent, out)
+    return out
+
+
+def _paths_from(folder: Path, values: dict[str, Any]) -> None:
+    """A relative path is taken from the config file's folder where the file exists there (the shipped MTP
+    config names its assistant so), else it stays as written."""
+    spec = values.get("speculative_config")
+    slots = [(values, "model"), (values, "chat_template")]
+    if values.get("generation_config") not in ("auto", "vllm"):
+        slots.append((values, "generation_config"))
+    if isinstance(spec, dict):
+        slots.append((spec, "model"))
+    for where, key in slots:
+        value = where.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            beside = folder / value
+            if beside.exists():
+                where[key] = str(beside.resolve())

@@ -1,22 +1,5 @@
-"""Incremental detokenization with stop-string detection.
-
-Decoding: like vLLM / mlx-lm, each step decodes only a small window of token ids
-(``ids[prefix_offset:]``) and emits the part beyond the already-known ``ids[prefix_offset:read_offset]``
-text. The window slides whenever the decoded text ends on a character boundary, so the work per token is
-O(window), not O(output). A trailing U+FFFD means an incomplete UTF-8 sequence (e.g. an emoji split over
-byte-level BPE tokens): those characters are held back until the sequence completes. The emitted text
-equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` minus held-back characters.
-
-Stop strings: all stop strings are compiled into an Aho-Corasick automaton, which
-is fed the decoded text one character at a time: O(1) amortised per character no matter how many stop
-strings there are. The automaton's state depth is exactly the longest suffix of the text that is a prefix
-of some stop string -- that suffix is held back so a stop string is never emitted. A match is the stop
-string that *ends* earliest (the longest one if several end at the same character), which makes the
-result independent of how the text is split into tokens. As in vLLM, stop strings are only checked once
-more than ``min_tokens`` tokens have been generated. Building an automaton costs time and memory in
-proportion to the stop strings' total length, so the server builds it (``stop_matcher``) in a worker thread
-before it submits the request; built automata are cached by stop list within a bound on their bytes.
-"""
+"""Incremental detokenization (a sliding window of ids) and stop strings (an Aho-Corasick automaton); how
+both work: docs/architecture.md#the-engine-step."""
 
 from __future__ import annotations
 
@@ -30,12 +13,11 @@ from typing import Protocol
 from engine.sampling import SamplingParams
 
 _REPLACEMENT = "\ufffd"
-# Tokens allowed to pile up behind an incomplete character before looking for an earlier boundary
-# (a UTF-8 tail spans at most 3 tokens; more means text keeps ending mid-character or is invalid).
+# Tokens behind an incomplete character before looking for an earlier boundary (a UTF-8 tail spans <= 3).
 _MAX_PENDING = 6
-# Bytes of built stop automata kept for reuse (a stop list of 8 KiB of text builds about 2 MiB).
+# Bytes of built stop automata kept for reuse.
 STOP_MATCHER_CACHE_BYTES = 32 * 2**20
-# Per node beyond its dict: the int objects of fail/depth/match_len and the key string (errs high).
+# Per node beyond its dict: fail/depth/match_len ints and the key string (errs high).
 _NODE_EXTRA_BYTES = 128
 
 
@@ -98,8 +80,7 @@ class StopMatcher:
 
 
 class StopMatcherCache:
-    """Least-recently-used automata by stop list, bounded by their total bytes (thread-safe: the server
-    builds in worker threads). An automaton larger than the whole bound is built but not kept."""
+    """Least-recently-used automata by stop list within a byte bound (thread-safe)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -133,8 +114,7 @@ _CACHE = StopMatcherCache(STOP_MATCHER_CACHE_BYTES)
 
 
 def stop_matcher(stops: Iterable[str], cache: StopMatcherCache | None = _CACHE) -> StopMatcher | None:
-    """The automaton for a request's stop strings (None when it has none). Costs O(total length) on a
-    cache miss: the server calls it off the event loop and hands the result to `EngineCore.add_request`."""
+    """The automaton for a request's stop strings (None: none); O(total length) on a cache miss."""
     key = tuple(dict.fromkeys(s for s in stops if s))  # dedupe, keep order
     if not key:
         return None
@@ -146,17 +126,13 @@ def _trailing_replacements(text: str) -> int:
 
 
 class IncrementalDetokenizer:
-    """Streams the text of one request's output tokens, holding back what may still change.
-
-    ``prompt_token_ids`` is accepted for API parity with vLLM but not used as decoding context: the text
-    is defined as ``tokenizer.decode(output_ids)`` (the HF convention; SentencePiece tokenizers therefore
-    drop the first output token's leading space, exactly like ``decode``).
-    """
+    """Streams the text of one request's output tokens (`tokenizer.decode(output_ids)`), holding back what
+    may still change."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  matcher: StopMatcher | None = None) -> None:
-        """`matcher`: `stop_matcher(params.stop)` built beforehand (None: built here if there are stops)."""
-        del prompt_token_ids  # see class docstring
+        """`matcher`: `stop_matcher(params.stop)` built beforehand (None: built here)."""
+        del prompt_token_ids  # not decoding context
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._include_stop = params.include_stop_str_in_output
@@ -247,10 +223,8 @@ class IncrementalDetokenizer:
         return new
 
     def _find_boundary(self, full: str) -> tuple[int, int] | None:
-        """Text keeps ending in U+FFFD (a run of split characters, or invalid UTF-8): find the latest
-        recent token boundary no character straddles, as (index, len(decode(ids[prefix_offset:index]))).
-        Nothing straddles j if the text before it ends cleanly, or if decoding both sides separately
-        gives the same text (a straddling sequence would turn into extra U+FFFDs)."""
+        """Text keeps ending in U+FFFD: the latest recent token boundary j no character straddles, as
+        (j, len(decode(ids[prefix:j])))."""
         ids = self._ids
         for j in range(len(ids) - 1, max(self._read_offset, len(ids) - 1 - _MAX_PENDING), -1):
             head = self._decode(ids[self._prefix_offset : j])

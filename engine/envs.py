@@ -1,7 +1,5 @@
-"""The one registry of environment variables specserve reads: name, default, allowed values, meaning.
-
-Only process-wide choices that must be made before MLX loads (BLAS, malloc, the GEMM kernel) and
-deployment settings live here; everything else is a constructor or CLI option. Read them with `get`.
+"""The one registry of environment variables specserve reads: name, default, allowed values, meaning. Only
+process-wide choices made before MLX loads, and deployment settings, live here; read them with `get`.
 """
 
 from __future__ import annotations

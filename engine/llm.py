@@ -6,7 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
@@ -49,7 +49,7 @@ class LLM:
         """`generation_config` / `override_generation_config`: as the server's flags, they make the
         SamplingParams `generate` uses when given none (`get_default_sampling_params`)."""
         platform.setup()  # before the engine's modules import mlx
-        from engine.core import EngineCore
+        from engine.core import EngineCore  # these import MLX: `import engine.llm` stays light
         from engine.models.loader import generation_defaults
 
         self.core = EngineCore(EngineConfig(model=model, **kwargs), loaded=loaded)
@@ -76,19 +76,20 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        # One prompt (text or token ids) or a list of them (checking prompts[0] narrows nothing for mypy).
+        batch = cast("Sequence[str | Sequence[int]]", [prompts] if one else prompts)
         if isinstance(params, Sequence):
             plist = list(params)
         else:
-            plist = [params or self.get_default_sampling_params()] * len(prompts)
-        if len(plist) != len(prompts):
+            plist = [params or self.get_default_sampling_params()] * len(batch)
+        if len(plist) != len(batch):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         results: dict[str, CompletionOutput] = {}
         order = []
-        for prompt, p in zip(prompts, plist, strict=True):
+        for prompt, p in zip(batch, plist, strict=True):
             rid = str(next(self._ids))
-            ids = self.encode(prompt)  # type: ignore[arg-type]
+            ids = self.encode(prompt)
             self.core.add_request(rid, ids, p)
             results[rid] = CompletionOutput(request_id=rid, prompt_token_ids=ids)
             order.append(rid)

@@ -1,13 +1,5 @@
-"""The engine thread: a synchronous loop around EngineCore with a thread-safe inbox.
-
-Callers (the HTTP server) submit with `add_request(..., callback)`; the callback runs on the engine
-thread with each RequestOutput and must only hand it over (e.g. `loop.call_soon_threadsafe`).
-
-Failures: an exception while taking in one request fails that request only (finish_reason "error").
-An exception out of a step (the core isolates what it can pin on one request) means the loop cannot go
-on: every request is failed, the thread ends, and `exit_hook(FATAL_EXIT_CODE)` runs, so that a server can
-exit non-zero and its supervisor restart it. The exception text goes to the log, never to clients.
-"""
+"""The engine thread: a loop around EngineCore with a thread-safe inbox; callbacks run on it and only hand
+outputs over. A failed step fails every request and runs `exit_hook(FATAL_EXIT_CODE)`."""
 
 from __future__ import annotations
 
@@ -56,8 +48,8 @@ class EngineDeadError(RuntimeError):
 class EngineLoop:
     def __init__(self, core: EngineCore, stats_callback: Callable[[IterationStats], None] | None = None,
                  idle_poll_s: float = 0.05, exit_hook: ExitHook | None = None) -> None:
-        """`exit_hook(code)` runs on the engine thread after a fatal error, once every request has been
-        failed (None: the engine just stays stopped; a server passes one that exits the process)."""
+        """`exit_hook(code)` runs on the engine thread after a fatal error, every request failed (None: the
+        engine stays stopped)."""
         self.core = core
         self.stats_callback = stats_callback
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -79,10 +71,8 @@ class EngineLoop:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     callback: OutputCallback, stop_matcher: StopMatcher | None = None,
                     checked: bool = False, grammar: CompiledGrammar | None = None) -> None:
-        """Raises ValueError for a request the engine cannot take (before it is queued). `stop_matcher`,
-        `grammar`: see `EngineCore.add_request` (build them on another thread: this one runs the engine).
-        `checked`: the caller ran `check_request` already, so it is not repeated here (on a server's event
-        loop it walks every prompt token); the engine thread checks again in any case."""
+        """Raises ValueError for a request the engine cannot take. `stop_matcher`, `grammar`: as
+        `EngineCore.add_request`; `checked`: the caller ran `check_request` (the engine checks again)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         if not checked:
@@ -152,7 +142,7 @@ class EngineLoop:
                     self._report(self.core.take_finished_backlog())
                     continue
                 outputs, stats = self.core.step()
-                # Stats first: a client that got its last token then sees the counters already moved.
+                # Stats first: a client that got its last token sees the counters moved.
                 self._report(stats)
                 for out in outputs:
                     self._emit(out)

@@ -1,18 +1,5 @@
-"""One malloc arena with fixed thresholds for MLX's CPU backend (Linux, glibc).
-
-On the CPU, MLX allocates every array buffer with plain `malloc` on the thread that evaluates the graph
-and the last reference often dies on another (the engine thread), so each engine step allocates and
-frees the same buffers of up to tens of megabytes. With glibc's defaults a process can fall into a
-cycle that costs it about half its speed: once the evaluating thread is moved to a secondary arena
-(arenas are handed out under lock contention, so when depends on timing), a buffer that does not fit
-that arena's 64 MiB heap gets a new heap (mmap), and freeing it deletes the heap again (munmap), every
-step, each new heap's pages faulting in afresh. Which server falls in, and when, is chance, so it reads
-as noise between identical servers (figures: docs/design-notes.md).
-
-Here: one arena (the main heap, which grows without a 64 MiB limit), buffers up to 32 MiB (glibc's
-largest mmap threshold) from it, and up to 256 MiB of free heap kept rather than given back.
-`SPECSERVE_MALLOC`: `tuned` (default) or `default` (glibc's behaviour, for comparisons).
-"""
+"""One malloc arena with fixed thresholds for MLX's CPU backend (glibc), against a per-step mmap / munmap
+cycle (docs/cpu-backend.md). `SPECSERVE_MALLOC`: `tuned` (default) or `default`."""
 
 from __future__ import annotations
 

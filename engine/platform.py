@@ -1,8 +1,5 @@
-"""The one explicit process set-up: BLAS, malloc, OpenMP spinning and the C kernels, before MLX loads.
-
-`import engine` changes nothing; the CLI and `LLM(...)` call `setup()`, and so must any program that
-imports MLX itself and wants the optimized CPU path (call it before `import mlx`).
-"""
+"""The one explicit process set-up (BLAS, malloc, OpenMP spinning, the C kernels), to run before MLX loads:
+the CLI and `LLM(...)` call `setup()`, as must a program that imports MLX itself (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ def setup() -> PlatformInfo:
     """Make the process-wide choices once (later calls return the first result)."""
     global _info
     if _info is None:
-        # libgomp reads this when it loads (with the GEMM kernel): its workers keep spinning between
-        # target steps and the short single-threaded draft loop instead of sleeping and waking late.
+        # Read by libgomp when it loads: workers spin through the short draft loop instead of sleeping.
         if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
             os.environ["GOMP_SPINCOUNT"] = "1000000"
         blas = select_blas()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling import SamplingParams
 
@@ -49,6 +50,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache and confirmed
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    spec_draft_probs: Any = None  # probabilistic drafters: q [drafts, vocab] of spec_token_ids
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first schedule
     num_preemptions: int = 0
     spec_disabled: bool = False  # set when its proposer failed: decode plainly from then on

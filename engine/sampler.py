@@ -1,18 +1,5 @@
-"""The batched token sampler (parameters and records: `engine/sampling.py`).
-
-Pipeline per step (mirrors vLLM v1's default order):
-
-1. logprobs (if requested) = log_softmax of the logits *as given* (vLLM's default
-   ``logprobs_mode="raw_logprobs"``: before min_tokens masking, penalties, temperature and filters);
-2. min_tokens: EOS / stop_token_ids get -inf while ``len(output) < min_tokens``;
-3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
-4. greedy rows (temperature < 1e-5): argmax of the processed logits, nothing else;
-5. other rows: temperature, min_p, top_k, top_p, then an inverse-CDF draw with one uniform.
-
-Seeded rows derive their uniform from ``(seed, len(output_token_ids))`` only, so their draws are
-reproducible and do not depend on which other requests share the batch. Unseeded rows use a module-level
-generator (``set_global_seed`` makes it deterministic).
-"""
+"""The batched token sampler in vLLM v1's order (docs/architecture.md#the-engine-step); parameters and
+records: `engine/sampling.py`."""
 
 from __future__ import annotations
 
@@ -22,10 +9,45 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu.host import float_list, float_rows, int_list, int_rows
 from engine.sampling import MASK64, RowState, SampleResult, SamplingParams, TokenLogprob
-from engine.spec.rejection import sample_from
 
 _TOP_CANDIDATES = 1024  # top-k/top-p look at this many best logits first
+_CHUNK = 256  # inverse-CDF chunk width
+
+
+def _search(cdf: np.ndarray, t: float, row: np.ndarray) -> int:
+    """First index whose cumulative mass exceeds t (never a zero entry); past the end, the last with mass."""
+    i = int(np.searchsorted(cdf, t, side="right"))
+    return i if i < cdf.shape[0] else int(np.flatnonzero(row > 0)[-1])
+
+
+def inverse_cdf(row: np.ndarray, u: float) -> int:
+    """Index drawn from the unnormalised `row` [V] with one uniform (-1: no mass), by chunk sums first."""
+    v = row.shape[0]
+    if v <= 2 * _CHUNK:
+        cdf = np.cumsum(row, dtype=np.float64)  # [V]
+        return _search(cdf, u * cdf[-1], row) if cdf[-1] > 0.0 else -1
+    full = v - v % _CHUNK
+    sums = row[:full].reshape(-1, _CHUNK).sum(axis=1, dtype=np.float64)  # [V // CHUNK]
+    if full < v:
+        sums = np.append(sums, row[full:].sum(dtype=np.float64))
+    ccdf = np.cumsum(sums)  # [num_chunks]
+    if not ccdf[-1] > 0.0:
+        return -1
+    t = u * ccdf[-1]
+    c = _search(ccdf, t, sums)
+    seg = row[c * _CHUNK : (c + 1) * _CHUNK]
+    before = ccdf[c - 1] if c else 0.0
+    return c * _CHUNK + _search(np.cumsum(seg, dtype=np.float64), max(t - before, 0.0), seg)
+
+
+def sample_from(probs_row: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from one probability row (need not sum to exactly 1); never a zero entry."""
+    i = inverse_cdf(probs_row, u)
+    if i < 0:
+        raise ValueError("cannot sample from a row with no probability mass")
+    return i
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,14 +83,10 @@ def _unique_ids(ids: list[int], vocab: int) -> np.ndarray:
 
 
 def process_logits(logits: mx.array, rows: list[RowState]) -> mx.array:
-    """min_tokens masking + penalties (the argmax-changing steps). Returns a new [num_rows, vocab] array.
-
-    Sparse: only the (row, token) entries concerned are gathered, updated and scattered back, so the
-    cost follows the number of distinct prompt/output tokens, not the vocabulary.
-    """
-    x = logits.astype(mx.float32)  # a new array object: the writes below never touch `logits`
+    """min_tokens masking + penalties, sparse over the entries concerned -> a new [num_rows, vocab] array."""
+    x = logits.astype(mx.float32)  # a new array: `logits` stays untouched
     vocab = x.shape[1]
-    # per update kind, one tuple of equal-length arrays per row: (row index, token id, values...)
+    # per update kind and row: (row index, token id, values...) arrays of equal length
     ban: list[tuple[np.ndarray, ...]] = []
     rep: list[tuple[np.ndarray, ...]] = []
     cnt: list[tuple[np.ndarray, ...]] = []
@@ -94,19 +112,17 @@ def process_logits(logits: mx.array, rows: list[RowState]) -> mx.array:
     if ban:
         x[column(ban, 0), column(ban, 1)] = -mx.inf
     if rep:
-        r, t, pen = column(rep, 0), column(rep, 1), column(rep, 2)
+        r, t, penalty = column(rep, 0), column(rep, 1), column(rep, 2)
         v = x[r, t]
-        x[r, t] = mx.where(v > 0, v / pen, v * pen)
+        x[r, t] = mx.where(v > 0, v / penalty, v * penalty)
     if cnt:
         r, t = column(cnt, 0), column(cnt, 1)
-        x[r, t] = x[r, t] - column(cnt, 2) - column(cnt, 3)  # as vLLM: -= freq * count, then -= presence
+        x[r, t] = x[r, t] - column(cnt, 2) - column(cnt, 3)  # as vLLM
     return x
 
 
 def _threshold(row: np.ndarray, top_k: int, top_p: float) -> float:
-    """Smallest kept logit of one row (temperature-scaled) under top_k (0: none) then top_p; tokens tied
-    with it are kept, like vLLM's top-k. Looks at the best _TOP_CANDIDATES logits first (a sort of the
-    whole vocabulary is slow) and redoes the row whole when its nucleus is not closed within them."""
+    """Smallest kept logit of one scaled row under top_k (0: none) then top_p, ties kept (as vLLM)."""
     vocab = row.shape[0]
     c = vocab if top_k > _TOP_CANDIDATES else min(vocab, _TOP_CANDIDATES)
     while True:
@@ -123,14 +139,12 @@ def _threshold(row: np.ndarray, top_k: int, top_p: float) -> float:
         count = max(1, int(np.count_nonzero(mass_before < top_p)))
         if count < c or top_k or c == vocab:
             return float(top[count - 1])
-        c = vocab  # all candidates kept without top-k: the nucleus may go on
+        c = vocab  # the nucleus may go on: the whole row
 
 
 def filter_logits(x: mx.array | np.ndarray, params: list[SamplingParams]) -> np.ndarray:
-    """Temperature, min_p, top_k, top_p (vLLM's order) for non-greedy rows.
-
-    x: [n, vocab] processed logits -> [n, vocab] float32 scaled logits with -inf for every dropped token.
-    NumPy, not MLX: on a 50k vocabulary MLX's CPU reductions cost several times NumPy's here."""
+    """Temperature, min_p, top_k, top_p (vLLM's order) in NumPy for non-greedy rows: [n, vocab] processed
+    logits -> float32 scaled logits, -inf where dropped."""
     out = np.array(x, dtype=np.float32)  # a copy: [n, vocab]
     vocab = out.shape[1]
     out /= np.array([p.temperature for p in params], dtype=np.float32)[:, None]
@@ -155,8 +169,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _draw(x: np.ndarray, rows: list[RowState]) -> list[int]:
-    """One token per row of x ([n, vocab] filtered logits): an inverse-CDF draw with one uniform, a
-    seeded row's keyed by (seed, position) only, so it does not depend on the batch or the step."""
+    """One token per row of x ([n, vocab] filtered logits)."""
     u = row_uniforms(rows, SAMPLE_STREAM)[:, 0]
     e = np.exp(x - x.max(axis=1, keepdims=True))  # [n, vocab], unnormalised; 0 for dropped tokens
     return [sample_from(e[i], float(u[i])) for i in range(len(rows))]
@@ -173,18 +186,19 @@ def token_logprobs(logits: mx.array, rows: list[RowState], tokens: list[int]) ->
     lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # [m, vocab]
     chosen = mx.take_along_axis(lp, mx.array([tokens[i] for i in want])[:, None], axis=-1)[:, 0]  # [m]
     k_max = max(rows[i].params.logprobs or 0 for i in want)
-    top_ids = top_vals = None
+    top_id_rows: list[list[int]] = []
+    top_val_rows: list[list[float]] = []
     if k_max > 0:
         top_ids = mx.argpartition(-lp, kth=k_max - 1, axis=-1)[:, :k_max]  # [m, k_max], unordered
         top_vals = mx.take_along_axis(lp, top_ids, axis=-1)  # [m, k_max]
         mx.eval(chosen, top_ids, top_vals)
-        top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
-    chosen_list = chosen.tolist()
+        top_id_rows, top_val_rows = int_rows(top_ids), float_rows(top_vals)
+    chosen_list = float_list(chosen)
     for j, i in enumerate(want):
         k = rows[i].params.logprobs or 0
         top: list[tuple[int, float]] = []
         if k > 0:
-            pairs = sorted(zip(top_ids[j], top_vals[j], strict=True), key=lambda t: (-t[1], t[0]))
+            pairs = sorted(zip(top_id_rows[j], top_val_rows[j], strict=True), key=lambda t: (-t[1], t[0]))
             top = [(int(t), float(v)) for t, v in pairs[:k]]
         result[i] = TokenLogprob(token_id=tokens[i], logprob=float(chosen_list[j]), top=top)
     return result
@@ -197,7 +211,7 @@ def sample(logits: mx.array, rows: list[RowState]) -> SampleResult:
     if not rows:
         return SampleResult(token_ids=[], logprobs=[])
     x = process_logits(logits, rows)  # [num_rows, vocab]
-    tokens: list[int] = mx.argmax(x, axis=-1).tolist()  # final for greedy rows
+    tokens = int_list(mx.argmax(x, axis=-1))  # final for greedy rows
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         random_state = [rows[i] for i in random_rows]
@@ -208,9 +222,7 @@ def sample(logits: mx.array, rows: list[RowState]) -> SampleResult:
 
 
 def target_probs(logits: mx.array, rows: list[RowState]) -> np.ndarray:
-    """The distribution `sample` draws each row's token from: [num_rows, vocab] float32 probabilities
-    (one-hot on the processed argmax for greedy rows). Rejection rules that compare the target with a
-    drafter need it whole; `sample` itself never forms it."""
+    """The distribution `sample` draws from, [num_rows, vocab] (one-hot for greedy rows)."""
     x = process_logits(logits, rows)  # [n, vocab]
     probs = np.zeros(x.shape, dtype=np.float32)
     probs[np.arange(x.shape[0]), np.array(mx.argmax(x, axis=-1))] = 1.0
@@ -222,9 +234,7 @@ def target_probs(logits: mx.array, rows: list[RowState]) -> np.ndarray:
 
 
 def row_uniforms(rows: list[RowState], stream: int) -> np.ndarray:
-    """[num_rows, 2] uniforms in [0, 1) for the rejection rules (engine/spec/rejection.py). A seeded row's
-    pair is keyed by (seed, its position, `stream`), like its sampling key: reproducible whatever the
-    batch and the step; `stream` separates independent uses at one position (verification, drafting)."""
+    """[num_rows, 2] uniforms for the rejection rules, seeded rows keyed by (seed, position, `stream`)."""
     return _uniforms([(row.params.seed, len(row.output_token_ids)) for row in rows], stream)
 
 
@@ -242,10 +252,8 @@ def _uniforms(keys: list[tuple[int | None, int]], stream: int) -> np.ndarray:
 
 def draft_sample(logits: mx.array, params: list[SamplingParams], positions: list[int],
                  ) -> tuple[list[int], np.ndarray]:
-    """A probabilistic drafter's draw: one token per row of `logits` ([n, V], the drafter's own) from
-    its processed distribution q (temperature, min_p, top_k, top_p as the request asks; no penalties),
-    and q itself [n, V] float32, which the rejection rule needs. `positions`: each row's output position
-    (a seeded row's draw is keyed by it, like its verification's). Rows must not be greedy."""
+    """A probabilistic drafter's draws from its filtered q (no penalties) -> (tokens, q [n, V]); `positions`
+    key seeded rows."""
     q = _softmax(filter_logits(logits, params))  # [n, V]
     u = _uniforms([(p.seed, pos) for p, pos in zip(params, positions, strict=True)], DRAFT_STREAM)
     return [sample_from(q[i], float(u[i, 0])) for i in range(q.shape[0])], q

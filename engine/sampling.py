@@ -1,6 +1,4 @@
-"""Sampling parameters and the plain records the sampler reads and returns (no arrays: importing this
-module loads no MLX). The batched sampler itself is `engine/sampler.py`.
-"""
+"""Sampling parameters and the plain records the sampler (engine/sampler.py) reads and returns; no MLX."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ MASK64 = (1 << 64) - 1
 MAX_CACHE_SALT_CHARS = 256
 
 
-# Temperature buckets, as Prometheus label values and adaptive speculation's prior keys: greedy (the
-# `is_greedy` test), then (0, 0.5], (0.5, 1] and above 1. Acceptance of sampled drafts falls with temperature.
+# Temperature buckets (Prometheus labels, adaptive K's prior keys): greedy, then (0, 0.5], (0.5, 1], above 1.
 TEMPERATURE_BUCKETS = ("0", "(0,0.5]", "(0.5,1]", ">1")
 
 
@@ -41,16 +38,14 @@ def _check_int(name: str, value: int) -> None:
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """What a request's output must match (vLLM's `structured_outputs`): exactly one of a JSON schema (as
-    JSON text), any JSON object, a regular expression, one of a list of strings, or a grammar (Lark or
-    GBNF). Compiled by `engine/structured.py`."""
+    text), any JSON object, a regex, a choice of strings, or a Lark / GBNF grammar."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    # vLLM's: JSON without optional whitespace. More of the output is then fixed by the schema alone (keys,
-    # separators), and those tokens are drafted for free under speculation.
+    # vLLM's: JSON without optional whitespace, so more tokens are fixed by the schema (drafted for free).
     disable_any_whitespace: bool = False
 
     def validate(self) -> None:
@@ -65,7 +60,7 @@ class StructuredOutputs:
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int | None = 16  # None: up to the model's max length (engine decides)
+    max_tokens: int | None = 16  # None: up to the model's max length
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -78,17 +73,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    logprobs: int | None = None  # None: no logprobs; k>=0: sampled token's logprob + top-k alternatives
+    logprobs: int | None = None  # k >= 0: the sampled token's logprob and the top k
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # vLLM's per-request cache isolation: requests share prefix-cache blocks and suffix-tree content
-    # only with requests of the same salt (None: the unsalted pool). Not a sampling option, but this is
-    # the per-request record that travels with the request into the engine.
+    # vLLM's cache isolation: prefix-cache blocks and suffix trees are shared only within one salt (not a
+    # sampling option, but it travels with them).
     cache_salt: str | None = None
-    structured: StructuredOutputs | None = None  # the output must match it (token masks per step)
+    structured: StructuredOutputs | None = None
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError (message starts with the offending field) for out-of-range values."""
+        """Raise ValueError (the message starts with the field) for out-of-range values."""
         if self.structured is not None:
             self.structured.validate()
         _check_finite("temperature", self.temperature)
@@ -151,12 +145,8 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """True when the next token is exactly argmax of the raw logits at every position: drafts then
-        verify by argmax alone. Other requests verify position by position through the sampler.
-
-        top_k/top_p/min_p are ignored for greedy rows (they always keep the argmax) and the seed is
-        irrelevant; penalties, min_tokens (EOS masked by position) and logprobs need the sampler.
-        """
+        """True when the next token is the raw logits' argmax at every position, so drafts verify by argmax
+        alone (penalties, min_tokens and logprobs need the sampler)."""
         return self.is_greedy and not self.has_penalties and self.logprobs is None and self.min_tokens == 0
 
 

@@ -1,63 +1,19 @@
-"""Token-budget scheduler (vLLM v1 style): no prefill or decode phase, only `num_computed_tokens`.
-
-Each step gives every running request the tokens it still needs (`num_tokens_with_spec -
-num_computed_tokens`) under `max_num_batched_tokens`, then admits waiting requests. Prefill chunks,
-decodes and draft verification share one batch. When blocks run out the newest running request is
-preempted (blocks freed, recomputed later from its prompt + output so far).
-"""
+"""Token-budget scheduler (vLLM v1 style): every running request gets the tokens it still needs under
+`max_num_batched_tokens`, then waiting requests are admitted; out of blocks, the newest running request is
+preempted (recomputed later)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.kv.block_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from engine.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 
-if TYPE_CHECKING:
-    from engine.structured import GrammarRows
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request_id: str
-    token_ids: list[int]  # tokens to compute this step
-    start_pos: int  # position of token_ids[0] (== num_computed_tokens)
-    block_table: list[int]  # the manager's list: read-only for the runner
-    num_logits: int  # 0: mid-prefill chunk, 1: sample one token, 1 + k: verify k drafts
-    spec_token_ids: list[int]
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_ids: list[int]
-    # Structured outputs: the request's grammar over its logits rows (masks filled when the runner asks),
-    # set by the engine before the runner runs (engine/structured.py).
-    grammar: GrammarRows | None = None
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    # Per scheduled request (same order): tokens to append (accepted drafts + one sampled token),
-    # empty for a mid-prefill chunk.
-    sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list | None] = field(default_factory=list)
-    num_accepted_drafts: list[int] = field(default_factory=list)
-    errors: list[str | None] = field(default_factory=list)
+# Per request a step served: the request, its new tokens (appended), the runner's error.
+Update = tuple[Request, list[int], str | None]
 
 
 class Scheduler:
@@ -94,7 +50,7 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
         req.status = status
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         req.times.finished = time.monotonic()
         self.kv.free(request_id)
         return req
@@ -109,7 +65,7 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
+        victim.spec_token_ids, victim.spec_draft_probs = [], None
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -129,7 +85,8 @@ class Scheduler:
             request_id=req.request_id, token_ids=token_ids, start_pos=start,
             block_table=self.kv.block_table(req.request_id), num_logits=num_logits,
             spec_token_ids=spec, params=req.params, prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids)
+            output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids,
+            draft_probs=req.spec_draft_probs if spec else None)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -144,8 +101,8 @@ class Scheduler:
                 if req.num_computed_tokens + budget < req.num_tokens:
                     num_new = budget  # a prefill chunk
                 else:
-                    # Drafts do not fit this step's budget: verify none rather than part.
-                    req.spec_token_ids = []
+                    # Drafts that do not fit the budget: verify none rather than part.
+                    req.spec_token_ids, req.spec_draft_probs = [], None
                     num_new = req.num_tokens - req.num_computed_tokens
             assert num_new > 0, (req.request_id, req.num_computed_tokens, req.num_tokens)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
@@ -181,51 +138,34 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[tuple[Request, list[int]]]:
-        """Apply the runner's tokens. Returns (request, new tokens) for requests that got tokens;
-        finished ones already have their status set and blocks freed."""
-        updates: list[tuple[Request, list[int]]] = []
+    def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[Update]:
+        """Apply the runner's tokens: computed positions (rejected drafts rolled back), tokens appended, full
+        blocks cached; the output processor decides who finishes."""
+        updates: list[Update] = []
         now = time.monotonic()
         for sr, new_tokens, err in zip(out.scheduled, res.sampled_token_ids, res.errors, strict=True):
             req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if err is not None:
-                req.error = err
-                self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
-                updates.append((req, []))
+                updates.append((req, [], err))
                 continue
             num_spec = len(sr.spec_token_ids)
-            req.spec_token_ids = []
+            req.spec_token_ids, req.spec_draft_probs = [], None
             if not new_tokens:  # mid-prefill chunk
                 req.num_computed_tokens += len(sr.token_ids)
                 continue
             # KV is valid for every computed token except rejected drafts.
             num_rejected = num_spec - (len(new_tokens) - 1)
             req.num_computed_tokens += len(sr.token_ids) - num_rejected
-            new_tokens, status = self._check_stop(req, new_tokens)
             req.append_output(new_tokens)
             if req.times.first_token is None:
                 req.times.first_token = now
             if req.times.last_token is not None:
                 req.times.inter_token = now - req.times.last_token
             req.times.last_token = now
-            # Only confirmed tokens (KV computed, not drafts) ever become prefix-cache blocks.
+            # Only confirmed tokens become prefix-cache blocks.
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
                                       req.cache_salt)
-            if status is not None:
-                self.finish_request(req.request_id, status)
-            updates.append((req, new_tokens))
+            updates.append((req, new_tokens, None))
         return updates
-
-    def _check_stop(self, req: Request, new_tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
-        p = req.params
-        for i, tok in enumerate(new_tokens):
-            n_out = req.num_output_tokens + i + 1
-            is_stop = (not p.ignore_eos and tok in req.eos_token_ids) or tok in p.stop_token_ids
-            if is_stop and n_out >= p.min_tokens:
-                req.stop_reason = tok if tok in p.stop_token_ids else None
-                return new_tokens[: i + 1], RequestStatus.FINISHED_STOPPED
-            if n_out >= req.max_tokens or req.num_tokens + i + 1 >= self.max_model_len:
-                return new_tokens[: i + 1], RequestStatus.FINISHED_LENGTH
-        return new_tokens, None

@@ -74,9 +74,8 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     spec: SpecDecodingStats | None = None
-    # Speculation choices made at the end of this step for the next one (every speculative config):
-    # K per candidate request (0 = not drafting), and the adaptive cost model's terms when "auto".
+    # K per candidate chosen for the next step (0: not drafting), and the cost model's terms under "auto".
     spec_chosen_k: list[int] = field(default_factory=list)
     spec_cost_estimates: dict[str, float] | None = None
-    num_batched_tokens: int = 0  # tokens the model computed this step: prefill chunks, decode rows, drafts
+    num_batched_tokens: int = 0  # tokens computed: prefill chunks, decode rows, drafts
     spec_propose_seconds: float = 0.0  # the proposer's time after the step (not in step_seconds)

@@ -1,19 +1,5 @@
 """Structured outputs: a request's `StructuredOutputs` compiled into an llguidance grammar, one matcher per
-request, and the token masks the runner applies to its logits rows.
-
-llguidance over xgrammar (measured, docs/structured-outputs.md): far shorter compiles on bounded strings,
-a lower worst-case mask, drafts checked without committing them, forced tokens as ids, and no torch.
-
-Speculation: a verifying request's rows get the masks of the states after each of its drafts (the matcher
-consumes the drafts, fills a mask per position, and rolls back), so a draft the grammar forbids loses to
-the masked target and greedy output equals constrained plain decoding; the matcher advances only with
-accepted tokens. Drafts are cut at the first token the grammar rejects, and where the grammar allows only
-one continuation (the rest of a key), those tokens are the drafts.
-
-Masks are filled only where needed (`GrammarRows`): a greedy row whose own argmax the mask would keep
-needs no mask (masking only lowers the other tokens), and asking that costs a fraction of filling and
-applying a mask over the whole vocabulary (docs/structured-outputs.md).
-"""
+request, and the token masks of its logits rows (docs/structured-outputs.md)."""
 
 from __future__ import annotations
 
@@ -27,15 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.cpu import bitmask
 from engine.sampling import StructuredOutputs
 
 if TYPE_CHECKING:
     import llguidance
 
     from engine.request import Request
-    from engine.scheduler import SchedulerOutput
+    from engine.step import SchedulerOutput
 
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (prototype matchers: each request takes a copy)
+# llguidance is imported where used (~0.6 s to load): a server that never sees a grammar skips it.
+MAX_CACHED_GRAMMARS = 256  # compiled prototype matchers kept (each request takes a copy)
 
 
 class GrammarError(ValueError):
@@ -46,6 +34,7 @@ def grammar_source(spec: StructuredOutputs) -> str:
     """The llguidance grammar of `spec` (raises GrammarError for text llguidance cannot read)."""
     import llguidance
 
+    fmt: llguidance.GrammarFormat
     if spec.json is not None or spec.json_object:
         fmt, text = "json_schema", spec.json if spec.json is not None else '{"type": "object"}'
         if spec.disable_any_whitespace:
@@ -75,9 +64,8 @@ class GrammarMatcher:
         self._eos = eos_token_ids
 
     def masks(self, drafts: list[int]) -> np.ndarray:
-        """[len(drafts) + 1, words] int32 bitmasks: the allowed tokens now and after each draft in turn.
-        The state is unchanged afterwards. Rows past a draft the grammar rejects allow nothing but that
-        position is never reached (verification stops at the rejected draft)."""
+        """[len(drafts) + 1, words] int32 bitmasks: the allowed tokens now and after each draft; the state is
+        unchanged. Rows past a rejected draft allow nothing (never reached)."""
         import llguidance.numpy as lnp
 
         out = np.zeros((len(drafts) + 1, self.words), dtype=np.int32)
@@ -93,8 +81,7 @@ class GrammarMatcher:
         return out
 
     def mask_after(self, prefix: list[int]) -> np.ndarray:
-        """[1, words]: the mask of the state after `prefix`, all zeros where the grammar rejects a token of
-        it (like `masks` past a rejected draft); the state is unchanged."""
+        """[1, words]: the mask after `prefix`, all zeros where the grammar rejects it; state unchanged."""
         import llguidance.numpy as lnp
 
         out = np.zeros((1, self.words), dtype=np.int32)
@@ -104,11 +91,8 @@ class GrammarMatcher:
         return out
 
     def allows_after(self, prefix: list[int], token: int) -> bool:
-        """Whether the mask after `prefix` would keep `token`, without filling it. Where the grammar forces
-        bytes, llguidance's mask holds only the forced text's own first token (not other spellings of
-        it, which validation accepts); elsewhere it keeps what validation accepts, except end-of-sequence
-        at the grammar's end, which validation refuses: a False here only costs the caller a mask.
-        (Checked against the masks in tests/engine/test_structured.py.)"""
+        """Whether the mask after `prefix` would keep `token`, without filling it. A False may be wrong
+        (forced bytes' other spellings, end-of-sequence at the end): it only costs the caller a mask."""
         with self._after(prefix) as reached:
             if not reached:
                 return False
@@ -117,8 +101,8 @@ class GrammarMatcher:
 
     @contextmanager
     def _after(self, prefix: list[int]) -> Iterator[bool]:
-        """Inside the block, the matcher in the state after `prefix` (True) or after the part of it the
-        grammar accepts (False); rolled back after it."""
+        """The matcher in the state after `prefix` (True) or after its accepted part (False), rolled back
+        after the block."""
         taken = int(self._m.try_consume_tokens(prefix)) if prefix else 0
         try:
             yield taken == len(prefix)
@@ -127,8 +111,8 @@ class GrammarMatcher:
                 self._m.rollback(taken)
 
     def accept(self, tokens: list[int]) -> bool:
-        """Advance past emitted tokens (False: one was not allowed). Once the grammar has ended its mask
-        allows only end-of-sequence, which it does not consume."""
+        """Advance past emitted tokens (False: one was not allowed). An ended grammar allows only
+        end-of-sequence, which it does not consume."""
         n = 0 if self._m.is_stopped() else int(self._m.try_consume_tokens(tokens))
         rest = tokens[n:]
         return not self._m.is_error() and (not rest or (self._m.is_stopped()
@@ -149,10 +133,8 @@ class GrammarMatcher:
 
 
 class GrammarRows:
-    """One scheduled request's grammar over its logits rows this step, row i being the state after its
-    first i drafts. The runner asks for what it needs: every row's mask (sampled rows, the rejection
-    rules) or, for rows decided by their argmax, whether that argmax is allowed and a mask only where
-    it is not."""
+    """One scheduled request's grammar over its logits rows this step (row i: the state after i drafts):
+    every row's mask, or for argmax rows whether the argmax is allowed, a mask only where not."""
 
     __slots__ = ("_m", "drafts")
 
@@ -185,8 +167,8 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles `StructuredOutputs` against the model's tokenizer, with a bounded cache. Thread-safe: a
-    server compiles on its preprocessing threads, the engine thread only copies."""
+    """Compiles `StructuredOutputs` against the tokenizer, with a bounded cache. Thread-safe (the server
+    compiles on its preprocessing threads)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._hf = tokenizer
@@ -197,16 +179,14 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutputs, CompiledGrammar] = OrderedDict()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        # Built on first use (~0.4 s for a 49k vocabulary): servers that never see a grammar skip it.
+        # Built on first use (~0.4 s): servers that never see a grammar skip it.
         with self._lock:
             if self._tokenizer is None:
                 import llguidance.hf
 
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                                eos_token=self._eos)
-                from engine.cpu import bitmask
-
-                bitmask.prepare()  # the mask kernel's one-off build happens here, not in an engine step
+                bitmask.prepare()  # the mask kernel's one-off build, not in an engine step
             return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
@@ -270,9 +250,8 @@ class StructuredOutputManager:
         return m is None or m.accept(tokens)
 
     def fit_drafts(self, req: Request, limit: int, keep: bool) -> None:
-        """Cut a constrained request's drafts at the first its grammar rejects; where the grammar allows only
-        one continuation, draft that (at most `limit` tokens) unless the drafts must stay as the drafter made
-        them (`keep`: a probabilistic drafter holds their distributions)."""
+        """Cut drafts at the first the grammar rejects; where it allows one continuation, draft that (at most
+        `limit` tokens) unless `keep` (a probabilistic drafter holds their distributions)."""
         m = self.matchers.get(req.request_id)
         if m is None:
             return

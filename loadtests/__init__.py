@@ -1,2 +1,2 @@
-"""The benchmark harness behind `specserve bench serve|offline|sweep` (loadtests/cli.py). The engine never
-imports it; `tools/` keeps the kernel and engine microbenchmarks."""
+"""`specserve bench` (loadtests/cli.py): every benchmark of the engine or the server end to end. The engine
+never imports it; `tools/` keeps the microbenchmarks of one component (docs/load-tests.md)."""

@@ -1,4 +1,4 @@
-"""`specserve bench {serve,offline,sweep,structured,replicas,scale-sim}`: the benchmark command line.
+"""`specserve bench {serve,offline,sweep,structured,replicas,scale-sim,engine,kv-layout}`: benchmarks.
 
     # online load against any OpenAI-compatible server (specserve, vllm serve, mlx_lm.server, ...)
     specserve bench serve --base-url http://127.0.0.1:8000 --dataset-name copy --max-concurrency 8 \\
@@ -20,7 +20,7 @@
     specserve bench scale-sim --trace STEPS.jsonl --users 10,100,1000
 
 Modes are "off" and the example configs in configs/*.yaml, named after the file (see loadtests/modes.py).
-Only `offline` imports the engine, and only when it runs.
+The engine is imported only when a subcommand that runs it starts.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import json
 import os
 from typing import Any
 
+from loadtests import engine_bench, kv_layout, offline, replicas, scale_sim, serve, structured, sweep
 from loadtests.client import CHAT, COMPLETIONS, RequestOptions
 from loadtests.datasets import BUILT_IN, DATASETS, DatasetOptions
 
@@ -39,12 +40,10 @@ FORMATTER = argparse.RawDescriptionHelpFormatter
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add `bench` and its subcommands to a `specserve` subparsers object."""
     bench = sub.add_parser("bench", help="benchmarks: serve (online load), offline (engine A/B), sweep, "
-                                         "structured, replicas, scale-sim",
+                                         "structured, replicas, scale-sim, engine, kv-layout",
                            description=__doc__, formatter_class=FORMATTER)
     cmds = bench.add_subparsers(dest="bench_command", required=True,
-                                metavar="{serve,offline,sweep,structured,replicas,scale-sim}")
-
-    from loadtests import offline, serve, sweep
+                                metavar="{serve,offline,sweep,structured,replicas,scale-sim,engine,kv-layout}")
 
     p = cmds.add_parser("serve", help="online load against one OpenAI-compatible server",
                         description=serve.__doc__, formatter_class=FORMATTER)
@@ -113,13 +112,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "(results to commit: the same comparisons, a fraction of the bytes)")
     p.set_defaults(bench_func=offline.run)
 
-    from loadtests import replicas, scale_sim, structured
-
     # Subcommands that bring their own arguments (`add_arguments`) and entry point (`run`).
     for name, module, help_ in (
             ("structured", structured, "structured outputs: mask cost, and ngram on JSON extraction"),
             ("replicas", replicas, "replicas on Ray Serve, or 2 tensor-parallel ranks, vs one engine"),
-            ("scale-sim", scale_sim, "capacity planning: users x replicas, simulated from a step trace")):
+            ("scale-sim", scale_sim, "capacity planning: users x replicas, simulated from a step trace"),
+            ("engine", engine_bench, "the engine against mlx-lm, per BLAS, in one run"),
+            ("kv-layout", kv_layout, "KV layout or attention backend A/B through the engine")):
         p = cmds.add_parser(name, help=help_, description=module.__doc__, formatter_class=FORMATTER)
         module.add_arguments(p)
         p.set_defaults(bench_func=module.run)

@@ -13,7 +13,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import engine  # noqa: F401  - selects the BLAS before mlx is imported
 from engine.models.loader import DEFAULT_MODEL_NAME, cache_dir, default_model_folder, load_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -5,9 +5,11 @@ written; `--k` derives static-K variants from them ("ngram k=2").
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from engine.config import read_config_file
 from specserve_configs import server_configs
 
 OFF = "off"
@@ -17,9 +19,7 @@ Modes = dict[str, dict[str, Any] | None]  # label -> speculative config (None: n
 
 def _spec_of(path: Path) -> dict[str, Any] | None:
     """The config's speculative config, its relative paths resolved as `specserve serve --config` does."""
-    from server.cli import load_config_file
-
-    spec = load_config_file(str(path)).get("speculative_config")
+    spec = read_config_file(str(path)).get("speculative_config")
     return spec if isinstance(spec, dict) else None
 
 
@@ -63,8 +63,6 @@ def resolve(names: list[str], ks: list[int] | None = None,
 
 def from_flags(modes: str | None, k: str | None, labelled: list[str], default: list[str]) -> Modes:
     """Modes from `--modes a,b` (or `default` without it), `--k 1,2` and `--speculative-config LABEL=JSON`."""
-    import json
-
     names = [m.strip() for m in modes.split(",") if m.strip()] if modes else default
     ks = [int(x) for x in k.split(",") if x.strip()] if k else None
     extra = [(label, json.loads(text)) for label, text in map(parse_labelled, labelled)]

@@ -155,8 +155,9 @@ def prompt_records(items: list[WorkItem], tokenizer: Any, chat_template: bool) -
 
 
 def run(args: argparse.Namespace) -> int:
-    import engine  # noqa: I001 - the BLAS before mlx
     import mlx.core as mx
+
+    import engine
     from engine.blas import blas_info
     from engine.llm import LLM
     from engine.models.loader import load_model

@@ -1,8 +1,6 @@
-"""NumPy emulation of the Metal kernels' index arithmetic, run where no Apple GPU exists.
-
-Each function walks the same launch grid as the shader (`ops.plan_decode`), with the same flat-buffer
-index formulas line for line; a SIMD group's 32 lanes are a vector axis and `simd_sum` is a sum over
-it. Outputs start as NaN, so an element the grid never writes shows up in the comparison.
+"""NumPy emulation of the Metal kernels' index arithmetic, run where no Apple GPU exists: the shader's launch
+grid (`ops.plan_decode`) and flat-buffer index formulas line for line, a SIMD group's 32 lanes as a vector
+axis. Outputs start as NaN, so an element the grid never writes shows up in the comparison.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Python wrappers over the Metal kernels in `shaders/` (JIT through `mx.fast.metal_kernel`).
-
-Launch parameters are planned by plain functions (`plan_decode`, `group_rows`) that the NumPy
-emulation in `emulate.py` shares, so the index arithmetic checked on machines without Metal is the
-arithmetic the shader runs with.
+"""Python wrappers over the Metal kernels in `shaders/` (JIT through `mx.fast.metal_kernel`). Launch planning
+(`plan_decode`, `group_rows`) is shared with the NumPy emulation in `emulate.py`, so the index arithmetic
+checked without Metal is the shader's.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ BLOCK_SIZES = (8, 16, 32)
 # so a long sequence is spread over more SIMD groups than heads x rows.
 SPLIT_THRESHOLD = 1024
 SPLIT_PARTITION = 512
-# Groups of at most this many query tokens per request (decode, draft verification) use the decode
-# kernel; longer chunks up to PREFILL_KERNEL_MAX_QUERY_LEN use the tiled prefill kernel. Longer
-# chunks stay on the gather path: they are compute-bound, the gather is paid once per chunk, and
-# MLX's fused SDPA uses simdgroup matrix tiles that the prefill kernel does not (metal_kernels/README.md).
+# Query lengths per request up to this use the decode kernel, up to PREFILL_KERNEL_MAX_QUERY_LEN the tiled
+# prefill kernel; longer chunks are compute-bound and stay on the gather path (metal_kernels/README.md).
 DECODE_MAX_QUERY_LEN = 16
 PREFILL_KERNEL_MAX_QUERY_LEN = 128
 PREFILL_Q_TILE = 8  # query rows (SIMD groups) per threadgroup sharing one K/V tile

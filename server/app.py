@@ -31,6 +31,9 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.serving import OpenAIServing
+from server.serving_chat import ChatServing
+from server.serving_completions import CompletionServing
+from server.serving_tokenization import TokenizationServing
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -163,9 +166,8 @@ class _Route(APIRoute):
         return route
 
 
-# Endpoints are module-level and read the engine from `request.app.state`: FastAPI memoizes facts about
-# endpoint callables in process-wide caches, so endpoints that closed over an app's engine client kept
-# every app's engine and KV cache alive after shutdown (tests start many servers in one process).
+# Endpoints are module-level and read the app's state: FastAPI caches facts about endpoint callables
+# process-wide, so closures over one app's client kept every app's engine alive after shutdown.
 router = APIRouter(route_class=_Route)
 
 
@@ -173,8 +175,16 @@ def _client(request: Request) -> EngineClient:
     return request.app.state.client
 
 
-def _serving(request: Request) -> OpenAIServing:
-    return request.app.state.serving
+def _chat(request: Request) -> ChatServing:
+    return request.app.state.chat
+
+
+def _completions(request: Request) -> CompletionServing:
+    return request.app.state.completions
+
+
+def _tokenization(request: Request) -> TokenizationServing:
+    return request.app.state.tokenization
 
 
 @router.get("/health")
@@ -201,22 +211,22 @@ async def models(raw: Request) -> ModelList:
 
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-    return await _guard(raw, _serving(raw).chat(req, raw))
+    return await _guard(raw, _chat(raw).create(req, raw))
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, raw: Request) -> Response:
-    return await _guard(raw, _serving(raw).completions(req, raw))
+    return await _guard(raw, _completions(raw).create(req, raw))
 
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
-    return await _serving(raw).tokenize(req)
+    return await _tokenization(raw).tokenize(req)
 
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
-    return await _serving(raw).detokenize(req)
+    return await _tokenization(raw).detokenize(req)
 
 
 @router.get("/metrics")
@@ -247,7 +257,11 @@ def build_app(settings: ServerSettings, client: EngineClient) -> FastAPI:
     app = FastAPI(title="specserve", version=engine.__version__, lifespan=_lifespan)
     app.state.settings = settings
     app.state.client = client
-    app.state.serving = OpenAIServing(client, settings)
+    # `serving` holds what the endpoints share (tests and tools/bench_health.py read it too)
+    serving = app.state.serving = OpenAIServing(client, settings)
+    app.state.chat = ChatServing(serving)
+    app.state.completions = CompletionServing(serving)
+    app.state.tokenization = TokenizationServing(serving)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_body_size)
     app.include_router(router)

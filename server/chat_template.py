@@ -1,13 +1,7 @@
-"""Chat templates: Jinja run in a bounded sandbox, and which variables a request may set.
-
-Templates render in `ImmutableSandboxedEnvironment` (no attribute writes, no `_` attributes, range() capped).
-A trusted template can still loop for ever or build huge strings, so every render also stops with a 400
-past a time limit or a size limit: each call, loop iteration and `{{ }}` output checks the clock, and
-string-building operators and joins check sizes before they allocate.
-
-Requests may set only the variables the template reads (found from its syntax tree); never the names
-the server fills in itself, and never tokenizer options (`tokenize`, `padding`, `max_length`, ...).
-"""
+"""Chat templates: Jinja in `ImmutableSandboxedEnvironment`, each render bounded in time and size (calls,
+loop iterations and `{{ }}` output check the clock; string-building operators and joins check sizes before
+they allocate), and which variables a request may set: those the template reads, never the names the
+server fills in nor tokenizer options."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
@@ -111,7 +105,8 @@ class _Bounded(NodeTransformer):
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         self.generic_visit(node)
-        node.iter = _call(_LOOP_GUARD, [node.iter], node.lineno)
+        # jinja2 annotates For.iter as any Node; its parser always gives an expression.
+        node.iter = _call(_LOOP_GUARD, [cast(nodes.Expr, node.iter)], node.lineno)
         return node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
@@ -186,7 +181,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         # trim/lstrip blocks and loopcontrols: what transformers renders templates with, so output matches
         super().__init__(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
                          extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-        self.concat = _bounded_concat  # type: ignore[assignment]
+        self.concat = _bounded_concat  # type: ignore[method-assign]  # jinja2 reads it per instance
         del self.globals["lipsum"]  # lipsum(n) writes n paragraphs: nothing a chat template needs
         self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                             dict=_TemplateDict(), **{_LOOP_GUARD: _bounded_loop, _JOIN_GUARD: _bounded_join})

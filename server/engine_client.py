@@ -1,11 +1,7 @@
-"""Bridge between asyncio handlers and the engine thread.
-
-Handlers call `EngineClient.submit(...)`, which validates and queues the requests on `EngineLoop`'s
-thread-safe inbox and returns a `RequestStream`. The engine calls our callback on ITS thread with each
-`RequestOutput`; the callback only hops it onto the handler's event loop with
-`loop.call_soon_threadsafe(queue.put_nowait, ...)`. Closing a stream before it finished aborts the
-engine work, so a client that goes away frees its KV blocks at once.
-"""
+"""Bridge between asyncio handlers and the engine thread: `EngineClient.submit` queues requests on
+`EngineLoop`'s inbox and returns a `RequestStream`; the engine's per-output callback only hops onto the
+handler's loop (`call_soon_threadsafe`). Closing an unfinished stream aborts its engine work, freeing
+its KV blocks at once."""
 
 from __future__ import annotations
 

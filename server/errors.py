@@ -1,9 +1,5 @@
-"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
-
-Every failure the server produces (validation, auth, limits, engine errors, unexpected exceptions)
-goes through `APIError` or one of the handlers installed by `install_error_handlers`, so clients and
-the `openai` SDK always see the same envelope.
-"""
+"""Errors in the OpenAI shape `{"error": {"message", "type", "param", "code"}}`: every failure goes through
+`APIError` or the handlers `install_error_handlers` installs, so clients always see the same envelope."""
 
 from __future__ import annotations
 

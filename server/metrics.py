@@ -1,17 +1,7 @@
-"""Every Prometheus series the server exposes, with vLLM's names and `model_name` label.
-
-`Metrics` owns one private `CollectorRegistry` per app (several servers can live in one process) and
-is fed from three places:
-
-- `on_iteration(IterationStats)`: the engine's per-step stats callback, called on the ENGINE thread
-  (prometheus-client metrics are thread-safe). Token counters, latency histograms and finished
-  requests come from here. Speculative-decoding series belong in `_observe_spec`, fed from
-  `IterationStats.spec` (a `SpecDecodingStats`).
-- a snapshot callable read at scrape time for the gauges (running / waiting / KV pool), so they are
-  exact even when the engine is idle or the last event was an abort rather than a step.
-
-It also accumulates the totals behind the periodic stats log line (`take_log_window`).
-"""
+"""Every Prometheus series the server exposes, with vLLM's names and `model_name` label, in one private
+registry per app (several servers can live in one process). Counters and histograms are fed by
+`on_iteration` on the engine thread; gauges read an engine snapshot at scrape time, so they are exact while
+idle; `take_log_window` sums what the periodic stats log line reports."""
 
 from __future__ import annotations
 
@@ -100,6 +90,23 @@ class Metrics:
         self._prefix_queries = 0  # engine counters are cumulative: remember the last seen values
         self._prefix_hits = 0
         self._window_prefix = (0, 0)
+        self._init_series()
+        self.spec_enabled = num_speculative_tokens > 0
+        self._spec_window = _SpecWindow()
+        # [second, draft tokens, accepted] per second of the window
+        self._recent: deque[list[int]] = deque(maxlen=_ACCEPTANCE_WINDOW_S + 1)
+        if self.spec_enabled:
+            self._init_spec(num_speculative_tokens)
+            # Like vLLM's *_config_info series: which verification rule runs, and whether outputs still follow
+            # the model's distribution (typical and synthetic acceptance do not).
+            Gauge("specserve:spec_decode_config_info", "Speculative decoding configuration (value 1).",
+                  ["model_name", "method", "rejection_sample_method", "lossless"], registry=self.registry,
+                  ).labels(model_name, spec_method, rejection_sample_method,
+                           str(rejection_sample_method in ("standard", "strict", "block")).lower()).set(1)
+
+    def _init_series(self) -> None:
+        """The series every server has (the speculative ones come from `_init_spec`)."""
+        model_name = self.model_name
         labels = ["model_name"]
         reg = self.registry
 
@@ -154,19 +161,6 @@ class Metrics:
                                                "processed.", _TOKEN_BUCKETS).labels(model_name)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation "
                                                    "tokens processed.", _TOKEN_BUCKETS).labels(model_name)
-
-        self.spec_enabled = num_speculative_tokens > 0
-        self._spec_window = _SpecWindow()
-        # [second, draft tokens, accepted] per second of the window
-        self._recent: deque[list[int]] = deque(maxlen=_ACCEPTANCE_WINDOW_S + 1)
-        if self.spec_enabled:
-            self._init_spec(num_speculative_tokens)
-            # Like vLLM's *_config_info series: which verification rule runs, and whether outputs still follow
-            # the model's distribution (typical and synthetic acceptance do not).
-            Gauge("specserve:spec_decode_config_info", "Speculative decoding configuration (value 1).",
-                  ["model_name", "method", "rejection_sample_method", "lossless"], registry=self.registry,
-                  ).labels(model_name, spec_method, rejection_sample_method,
-                           str(rejection_sample_method in ("standard", "strict", "block")).lower()).set(1)
 
     def _init_spec(self, k: int) -> None:
         # vLLM's names and labels; counters get the `_total` suffix on exposition.
@@ -365,4 +359,4 @@ def merge_expositions(texts: dict[str, bytes]) -> bytes:
         def collect(self) -> list[Any]:
             return list(families.values())
 
-    return generate_latest(_Collected())  # type: ignore[arg-type]
+    return generate_latest(_Collected())

@@ -1,9 +1,5 @@
-"""OpenAI (and vLLM-extension) request/response models.
-
-Requests forbid unknown fields (a typo must not be silently ignored). Fields OpenAI defines but this
-server does not implement are declared so they can be refused with a precise message unless they hold
-their neutral value. Cross-field rules live in `check()` and raise `APIError` naming the field.
-"""
+"""OpenAI (and vLLM-extension) request/response models. Requests forbid unknown fields and refuse fields
+this server does not implement unless neutral; cross-field rules live in `check()` (raising `APIError`)."""
 
 from __future__ import annotations
 
@@ -390,8 +386,8 @@ class CompletionRequest(_SamplingRequest):
         if not p:
             raise bad_request("prompt must not be empty", param="prompt")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        return list(p)
 
     @property
     def output_limit(self) -> int | None:

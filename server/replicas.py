@@ -1,15 +1,7 @@
-"""Engine replicas on Ray Serve: `specserve serve --replicas N`, or `serve run server.replicas:app_builder`.
-
-Three deployments: `Ingress` (Serve's HTTP proxy sends every request here; no model) reads the body,
-keys it (server/routing.py) and calls an `EngineReplica` through a handle whose request router,
-`PrefixAwareRouter`, picks the replica that saw the longest prefix of that key, else the least loaded.
-Each replica runs the whole single-engine app in process (the same routes, errors, guard and streaming),
-driven as ASGI. `MetricsBoard` holds every replica's latest /metrics text; the ingress serves them as one
-exposition with a `replica` label. A replica that dies fails its requests with 503 + Retry-After; Serve
-starts another.
-FastAPI reads the ingress methods' annotations at run time (no `from __future__ import annotations`), and
-Serve serialises the ingress class where it is decorated: what it calls is defined above it.
-"""
+"""Engine replicas on Ray Serve (`specserve serve --replicas N`, or `serve run server.replicas:app_builder`):
+an `Ingress`, a `PrefixAwareRouter` over `EngineReplica`s that each run the single-engine app, and a
+`MetricsBoard` (docs/scale-out.md). FastAPI reads the ingress annotations at run time (no `from __future__
+import annotations`), and Serve serialises the ingress where it is decorated: what it calls is above it."""
 
 import asyncio
 import json
@@ -17,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,9 +19,11 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from engine import platform
 from server.errors import error_body
 from server.metrics import CONTENT_TYPE, merge_expositions
 from server.routing import PrefixTable, route_key
+from server.settings import ServerSettings
 
 logger = logging.getLogger("specserve")
 
@@ -54,7 +48,9 @@ class PrefixAwareRouter(RequestRouter):
     `imbalanced_threshold` requests longer than the shortest; else the least loaded (Serve probes queue
     lengths within a rank and takes the shortest)."""
 
-    def initialize_state(self, imbalanced_threshold: int = 4, capacity: int = 65536) -> None:
+    # Serve passes request_router_kwargs as keywords: the documented way to narrow the base's **kwargs.
+    def initialize_state(self, imbalanced_threshold: int = 4,  # type: ignore[override]
+                         capacity: int = 65536) -> None:
         self.imbalanced_threshold = imbalanced_threshold
         self.table = PrefixTable(capacity)
 
@@ -186,13 +182,13 @@ class _ASGIDriver:
 class EngineReplica:
     """One engine and the whole single-engine app, in this replica's process."""
 
-    async def __init__(self, settings: dict[str, Any], board: DeploymentHandle | None = None) -> None:
-        from engine import platform
-
+    # Serve awaits an async constructor (mypy requires __init__ to return None).
+    async def __init__(self, settings: dict[str, Any],  # type: ignore[misc]
+                       board: DeploymentHandle | None = None) -> None:
         platform.setup()  # before MLX is imported
+        # These import MLX: here, after platform.setup(), in the replica's own process.
         from server.app import build_app
         from server.engine_client import create_engine_client
-        from server.settings import ServerSettings
 
         parsed = ServerSettings(**settings)
         self.client = create_engine_client(parsed, show_progress=False)
@@ -222,8 +218,9 @@ class EngineReplica:
             raise RuntimeError(f"the engine thread is not running: {self.client.error!r}")
 
     async def __del__(self) -> None:
-        if getattr(self, "_push", None) is not None:
-            self._push.cancel()
+        push = getattr(self, "_push", None)
+        if push is not None:
+            push.cancel()
         if hasattr(self, "_lifespan"):  # the constructor got that far
             await self._lifespan.__aexit__(None, None, None)
 
@@ -308,12 +305,13 @@ class Ingress:
     @ingress_app.api_route("/{path:path}", methods=METHODS)
     async def forward(self, path: str, request: Request) -> Response:
         body = await self._read_body(request)
-        req = {"method": request.method, "path": request.url.path, "query": request.url.query,
-               "headers": [(k, v) for k, v in request.headers.raw], "body": body,
-               "client": tuple(request.client) if request.client else None, "route_key": []}
+        req: dict[str, Any] = {
+            "method": request.method, "path": request.url.path, "query": request.url.query,
+            "headers": [(k, v) for k, v in request.headers.raw], "body": body,
+            "client": tuple(request.client) if request.client else None, "route_key": []}
         if request.method == "POST" and request.url.path in ROUTED_PATHS and len(body) <= self.max_body:
             req["route_key"] = _key(request.url.path, body)
-        gen: DeploymentResponseGenerator = self.engine.handle.remote(req)
+        gen = cast(DeploymentResponseGenerator, self.engine.handle.remote(req))  # a stream=True handle
         try:
             first = await _first_or_disconnect(gen, request)
         except RETRYABLE as e:
@@ -358,14 +356,13 @@ def build(settings: Any) -> serve.Application:
         options["num_replicas"] = replicas
     if settings.replica_routing == "prefix":
         options["request_router_config"] = {"request_router_class": PrefixAwareRouter}
-    board = MetricsBoard.bind()
-    engine = EngineReplica.options(**options).bind(data, board)
-    return Ingress.bind(engine, board, settings.max_request_body_size)
+    # @serve.deployment made these classes Deployments; mypy does not apply class decorators.
+    board = MetricsBoard.bind()  # type: ignore[attr-defined]
+    engine = EngineReplica.options(**options).bind(data, board)  # type: ignore[attr-defined]
+    return Ingress.bind(engine, board, settings.max_request_body_size)  # type: ignore[attr-defined]
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """For `serve run server.replicas:app_builder key=value ...` and Serve config files: the keys are
     `specserve serve`'s settings (snake_case), plus `replicas`, `max_replicas` and `replica_routing`."""
-    from server.settings import ServerSettings
-
     return build(ServerSettings(**{k.replace("-", "_"): v for k, v in args.items()}))

@@ -1,11 +1,6 @@
-"""Prefix affinity for replicas: a request's prefix key, and which replica saw the longest prefix of it.
-
-The key is a chain of hashes over the request as the client sent it (chat: one link per message; a
-completion prompt: one per 256 characters or 16 tokens), each link hashing its parent, so a follow-up
-turn's chain extends the first turn's and a shared system prompt shares the first link. The router's
-process holds no model, so it keys on messages rather than on rendered tokens; the engine's block hashes
-then hit on the replica the chain leads to. Pure Python: no Ray, no MLX.
-"""
+"""Prefix affinity for replicas: a request's prefix key (a chain of hashes over messages or prompt chunks,
+as sent: the router holds no model), and which replica saw the longest prefix of it
+(docs/scale-out.md). Pure Python: no Ray, no MLX."""
 
 from __future__ import annotations
 
@@ -13,7 +8,9 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from typing import Any
+from typing import Any, TypeVar
+
+R = TypeVar("R", bound=Hashable)  # a replica's id
 
 CHARS_PER_LINK = 256
 TOKENS_PER_LINK = 16
@@ -92,9 +89,9 @@ class PrefixTable:
                 return covered
         return 0
 
-    def best(self, replicas: Iterable[Hashable],
-             chain: list[tuple[bytes, int]]) -> tuple[Hashable | None, int]:
-        best, most = None, 0
+    def best(self, replicas: Iterable[R], chain: list[tuple[bytes, int]]) -> tuple[R | None, int]:
+        best: R | None = None
+        most = 0
         for r in replicas:
             m = self.match(r, chain)
             if m > most:

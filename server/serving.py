@@ -1,27 +1,22 @@
-"""`/v1/chat/completions` and `/v1/completions`: request -> engine requests -> OpenAI responses.
-
-One HTTP request becomes one engine request per (prompt, choice); their outputs arrive through one
-`RequestStream`. Streaming answers are Server-Sent Events ending with `data: [DONE]`; every exit path
-(finished, client gone, error) closes the stream, which aborts unfinished engine work.
-"""
+"""What the OpenAI endpoints share: `OpenAIServing` (sampling parameters, admission, engine submission,
+logprobs formatting, collecting or streaming outputs), SSE and usage helpers. One HTTP request is one engine
+request per (prompt, choice); streams end with `data: [DONE]`, and every exit path closes the
+`RequestStream`, which aborts unfinished engine work."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -29,48 +24,31 @@ from starlette.types import Receive, Scope, Send
 from engine.detokenize import StopMatcher, stop_matcher
 from engine.models.loader import generation_defaults
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams, StructuredOutputs, TokenLogprob
+from engine.sampling import SamplingParams, TokenLogprob
 from engine.structured import GrammarError
-from server.chat_template import ChatTemplate, compile_template, forbidden_kwarg
+from server.chat_prompt import ChatPrompts
 from server.engine_client import EngineClient, EngineDeadError, RequestStream, SubRequest
 from server.errors import APIError, bad_request, internal_error
 from server.protocol import (
     MAX_CHOICES,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
-    ChatMessageOut,
     ChatTokenLogprob,
-    CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    DetokenizeRequest,
-    DetokenizeResponse,
     PromptTokensDetails,
     SpecDecodeUsage,
     StopLimits,
-    TokenizeRequest,
-    TokenizeResponse,
     TopLogprob,
     Usage,
-    now,
 )
 from server.settings import ServerSettings
 from server.tokens import TokenText, longest_token
-from server.tools import PARSERS, REASONING_PARSERS, ChatOutput, Delta, check_tools, forced_schema
-from specserve_configs import shipped
 
 logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_CHAT_NAMES = {"logprobs": "top_logprobs"}  # engine field -> chat request field
 T = TypeVar("T")
 
 
@@ -114,7 +92,7 @@ class EventStreamResponse(StreamingResponse):
 
 
 @dataclass(slots=True)
-class _Choice:
+class ChoiceState:
     """What one engine request produced so far."""
 
     text: list[str] = field(default_factory=list)
@@ -142,7 +120,7 @@ class _Choice:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
 
 
-def _raise_if_failed(choice: _Choice, request_id: str) -> None:
+def _raise_if_failed(choice: ChoiceState, request_id: str) -> None:
     if choice.finish_reason == "error":  # `error` is the engine's short reason; the cause is in the log
         raise APIError(500, f"request {request_id} failed in the engine: {choice.error}", code="engine_error")
     if choice.finish_reason == "abort":
@@ -150,7 +128,7 @@ def _raise_if_failed(choice: _Choice, request_id: str) -> None:
                        code="aborted")
 
 
-def _usage(choices: list[_Choice], n: int, with_spec: bool = False) -> Usage:
+def total_usage(choices: list[ChoiceState], n: int, with_spec: bool = False) -> Usage:
     # Prompt tokens count once per prompt (not per choice), as OpenAI / vLLM report them.
     firsts = choices[::n]
     prompt = sum(c.num_prompt_tokens for c in firsts)
@@ -184,15 +162,13 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _model_template(tokenizer: Any) -> str | None:
-    try:
-        return tokenizer.get_chat_template()
-    except (ValueError, AttributeError):  # the model has none
-        return None
+def _json(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False)
 
 
 class OpenAIServing:
-    """Raises ValueError for settings that do not fit the model (the chat template or its defaults)."""
+    """State the endpoints share. Raises ValueError for settings that do not fit the model (the chat
+    template or its defaults)."""
 
     def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
         self.client = client
@@ -206,19 +182,8 @@ class OpenAIServing:
                                       settings.max_stop_token_ids)
         # Rendering and tokenizing run on these threads; requests beyond them wait without blocking the loop.
         self._preprocess = anyio.CapacityLimiter(settings.preprocess_threads)
-        source = settings.chat_template or _model_template(client.tokenizer)
-        if settings.chat_template is None and client.core.loaded.source == "default":
-            # The default model's own template plus tools (identical without them): tool calling works
-            # out of the box.
-            source = shipped("templates", "smollm2-tools.jinja").read_text()
-        self.tool_parser = PARSERS[settings.tool_call_parser]() if settings.tool_call_parser else None
-        self.reasoning_parser = (REASONING_PARSERS[settings.reasoning_parser]()
-                                 if settings.reasoning_parser else None)
-        try:
-            self.chat_template = compile_template(source) if source is not None else None
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"the chat template is not valid Jinja: {e}") from e
-        self.default_template_kwargs = self._check_default_kwargs(settings.default_chat_template_kwargs or {})
+        self.chat_prompts = ChatPrompts(settings, self.tokens, client.max_model_len,
+                                        default_model=client.core.loaded.source == "default")
         self.sampling_defaults = self._sampling_defaults(client.core.loaded.path)
 
     def _sampling_defaults(self, model_path: str) -> dict[str, Any]:
@@ -234,22 +199,11 @@ class OpenAIServing:
                         ", ".join(f"{k}={v}" for k, v in defaults.items()), origin)
         return defaults
 
-    def _check_default_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        bad = forbidden_kwarg(defaults, self.tokens.special_tokens)
-        if bad is not None:
-            raise ValueError(f"--default-chat-template-kwargs: `{bad}` is a tokenizer option or a name the "
-                             f"server fills in, not a chat template variable")
-        unread = sorted(set(defaults) - (self.chat_template.variables if self.chat_template else frozenset()))
-        if unread:
-            logger.warning("--default-chat-template-kwargs: the chat template does not read %s; ignored "
-                           "unless a request's own template does", ", ".join(unread))
-        return defaults
-
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-heavy preprocessing on the bounded thread pool, keeping the event loop free."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._preprocess)
 
-    # -- shared steps --------------------------------------------------------------------------
+    # -- request in: parameters, checks, admission ----------------------------------------------
     def resolve_model(self, name: str | None) -> str:
         if name is None or name in self.client.served_model_names:
             return name or self.client.model_name
@@ -282,67 +236,6 @@ class OpenAIServing:
     def check_choices(num_prompts: int, n: int) -> None:
         if num_prompts * n > MAX_CHOICES:
             raise bad_request(f"too many choices: {num_prompts} prompts x n={n} > {MAX_CHOICES}", param="n")
-
-    def check_messages(self, messages: list[ChatMessage]) -> None:
-        """Cheap bounds before rendering: more messages than context tokens, or more text than any prompt
-        that fits the context, cannot make a prompt."""
-        max_len = self.client.max_model_len
-        if len(messages) > max_len:
-            raise bad_request(f"{len(messages)} messages are more than max_model_len={max_len} tokens can "
-                              f"hold", param="messages")
-        chars = sum(m.num_chars() for m in messages)
-        if chars > self.max_prompt_chars:
-            raise bad_request(f"the messages have {chars} characters; the limit is {self.max_prompt_chars} "
-                              f"(--max-prompt-chars)", param="messages", code="prompt_too_long")
-
-    def template_request(self, source: str | None, kwargs: dict[str, Any] | None) -> tuple[str | None,
-                                                                                           dict[str, Any]]:
-        """Cheap checks of a request's template fields: whether it may bring a template (the `chat_template`
-        field, or a kwarg of that name), and no kwarg naming a tokenizer option or a server-filled variable.
-        Returns the request's template (None: the server's) and its kwargs."""
-        kwargs = dict(kwargs or {})
-        param = "chat_template"
-        in_kwargs = kwargs.pop("chat_template", None)
-        if in_kwargs is not None:
-            if source is not None and in_kwargs != source:
-                raise bad_request("`chat_template` and `chat_template_kwargs.chat_template` differ; send one",
-                                  param="chat_template")
-            if not isinstance(in_kwargs, str):
-                raise bad_request("`chat_template_kwargs.chat_template` must be a string",
-                                  param="chat_template_kwargs.chat_template")
-            source, param = in_kwargs, "chat_template_kwargs.chat_template"
-        if source is not None and not self.settings.trust_request_chat_template:
-            raise bad_request("this server does not render chat templates sent with requests (start it with "
-                              "--trust-request-chat-template to allow them)", param=param)
-        bad = forbidden_kwarg(kwargs, self.tokens.special_tokens)
-        if bad is not None:
-            raise bad_request(f"`chat_template_kwargs.{bad}` is not allowed: chat_template_kwargs may set "
-                              f"the chat template's own variables only, not tokenizer options or the names "
-                              f"the server fills in", param=f"chat_template_kwargs.{bad}")
-        if source is None and self.chat_template is None:
-            raise bad_request("this model has no chat template; pass --chat-template or use /v1/completions")
-        return source, kwargs
-
-    def render_chat(self, messages: list[ChatMessage], source: str | None, kwargs: dict[str, Any],
-                    add_generation_prompt: bool, continue_final_message: bool,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The chat's prompt tokens (blocking: call through `offload`). Variables the template does not
-        read are dropped, as vLLM drops them: clients send e.g. `enable_thinking` to every model."""
-        template: ChatTemplate | None = self.chat_template
-        if source is not None:
-            try:
-                template = compile_template(source)
-            except jinja2.TemplateSyntaxError as e:
-                raise bad_request(f"the chat template is not valid Jinja: {e}",
-                                  param="chat_template") from None
-        assert template is not None  # template_request refused the request otherwise
-        if tools and "tools" not in template.variables:
-            raise bad_request("this model's chat template does not render `tools`: start the server with a "
-                              "--chat-template that does, or send tool_choice none", param="tools")
-        merged = {**self.default_template_kwargs, **kwargs}
-        variables = {k: v for k, v in merged.items() if k in template.variables}
-        return self.tokens.render_chat(messages, template, variables, add_generation_prompt,
-                                       continue_final_message, self.settings.chat_template_timeout, tools)
 
     @staticmethod
     def structured(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> str | None:
@@ -444,14 +337,15 @@ class OpenAIServing:
         for sub in subs:
             sub.stop_matcher = built.get(tuple(sub.params.stop))
 
-    def _log_done(self, request_id: str, choices: list[_Choice], t0: float, outcome: str = "") -> None:
+    # -- outputs back: whole or streamed ---------------------------------------------------------
+    def log_done(self, request_id: str, choices: list[ChoiceState], t0: float, outcome: str = "") -> None:
         if self.log_requests:
             reasons = sorted({str(c.finish_reason) for c in choices})
             logger.info("request %s finished%s: %s, %d output tokens, %.2fs", request_id, outcome,
                         "/".join(reasons), sum(c.num_output_tokens for c in choices), time.monotonic() - t0)
 
-    async def _unless_disconnected(self, raw: Request, stream: RequestStream,
-                                   work: Awaitable[Response]) -> Response:
+    async def unless_disconnected(self, raw: Request, stream: RequestStream,
+                                  work: Awaitable[Response]) -> Response:
         """Run a non-streaming request; if the client goes away first, cancel it (aborting its work)."""
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(_wait_disconnect(raw))
@@ -468,19 +362,51 @@ class OpenAIServing:
             task.cancel()  # no-op once done; on our own cancellation (shutdown) it stops the work
             stream.close()  # even if the task never started, the engine requests are aborted
 
-    async def _collect(self, stream: RequestStream, num: int, t0: float) -> list[_Choice]:
-        choices = [_Choice() for _ in range(num)]
+    async def collect(self, stream: RequestStream, num: int, t0: float) -> list[ChoiceState]:
+        choices = [ChoiceState() for _ in range(num)]
         try:
             async for index, out in stream:
                 choices[index].add(out)
             for c in choices:
                 _raise_if_failed(c, stream.request_id)
         except APIError as e:
-            self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
+            self.log_done(stream.request_id, choices, t0, f" with error {e.status}")
             raise
         finally:
             stream.close()
         return choices
+
+    async def stream_events(self, req: ChatCompletionRequest | CompletionRequest, stream: RequestStream,
+                            num: int, chunk: Callable[..., str], opening: list[str],
+                            delta: Callable[[int, RequestOutput, ChoiceState], Any]) -> AsyncIterator[str]:
+        """The SSE stream of chat and completions: `delta` turns an engine output into the endpoint's
+        chunk choice (None: nothing to send yet)."""
+        t0 = time.monotonic()
+        choices = [ChoiceState() for _ in range(num)]
+        try:
+            for event in opening:
+                yield event
+            async for index, out in stream:
+                c = choices[index]
+                c.add(out)
+                if out.finished:
+                    _raise_if_failed(c, stream.request_id)
+                choice = delta(index, out, c)
+                if choice is None:
+                    continue
+                usage = total_usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None
+                yield chunk([choice], usage)
+            if req.include_usage:
+                yield chunk([], total_usage(choices, req.n, self.spec_metrics))
+            self.log_done(stream.request_id, choices, t0)
+        except APIError as e:
+            yield sse(_json(e.body()))
+            self.log_done(stream.request_id, choices, t0, f" with error {e.status}")
+        except Exception as e:  # noqa: BLE001 - fail this stream only, in the OpenAI shape
+            yield sse(_json(internal_error(stream.request_id, e).body()))
+        finally:
+            stream.close()
+        yield SSE_DONE
 
     # -- logprobs ------------------------------------------------------------------------------
     def chat_logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs:
@@ -506,237 +432,3 @@ class OpenAIServing:
             out.text_offset.append(offset)
             offset += len(text)
         return out, offset
-
-    # -- chat ----------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        request_id = raw.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        model = self.resolve_model(req.model)
-        req.check(self.settings.max_n, self.stop_limits)
-        self.check_choices(1, req.n)
-        self.check_messages(req.messages)
-        source, kwargs = self.template_request(req.chat_template, req.chat_template_kwargs)
-        params, fit = self.sampling_params(req, req.num_logprobs)
-        renames = _CHAT_NAMES
-        if req.max_completion_tokens is not None:
-            renames = {**_CHAT_NAMES, "max_tokens": "max_completion_tokens"}
-        choice = check_tools(req.tools, req.tool_choice)
-        if choice == "auto" and not self.settings.enable_auto_tool_choice:
-            raise bad_request('tool_choice "auto" (the default with `tools`) needs the server started with '
-                              '--enable-auto-tool-choice and --tool-call-parser; or send "required", a named '
-                              'function, or "none"', param="tool_choice")
-
-        def preprocess() -> list[SubRequest]:
-            structured_param = self.structured(req, params)
-            if choice not in (None, "auto"):
-                if params.structured is not None:
-                    raise bad_request(f"a forced tool call (tool_choice {req.tool_choice!r}) cannot be "
-                                      f"combined with {structured_param}", param="tool_choice")
-                schema = forced_schema(req.tools or [], choice, req.parallel_tool_calls is not False)
-                params.structured = StructuredOutputs(json=json.dumps(schema))
-                structured_param = "tools"
-            prompt = self.render_chat(req.messages, source, kwargs, req.add_generation_prompt,
-                                      req.continue_final_message, req.tools if choice else None)
-            return self.prepare([prompt], params, req.n, renames, fit, structured_param)
-
-        subs = await self.offload(preprocess)
-        stream = await self.submit(request_id, subs)
-        shape = functools.partial(ChatOutput, choice, self.tool_parser, self.reasoning_parser)
-        if req.stream:
-            return EventStreamResponse(self._chat_events(req, stream, model, len(subs), shape), stream.close)
-        return await self._unless_disconnected(raw, stream,
-                                               self._chat_full(req, stream, model, len(subs), shape))
-
-    async def _chat_full(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
-                         num: int, shape: Callable[[], ChatOutput]) -> Response:
-        t0 = time.monotonic()
-        choices = await self._collect(stream, num, t0)
-        out = []
-        for i, c in enumerate(choices):
-            reasoning, content, calls, finish = shape().whole("".join(c.text), c.finish_reason)
-            out.append(ChatChoice(
-                index=i, message=ChatMessageOut(content=content, reasoning_content=reasoning,
-                                                tool_calls=[call.as_openai() for call in calls]),
-                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None, finish_reason=finish,
-                stop_reason=c.stop_reason))
-        resp = ChatCompletionResponse(id=stream.request_id, model=model,
-                                      usage=_usage(choices, req.n, self.spec_metrics), choices=out)
-        self._log_done(stream.request_id, choices, t0)
-        return Response(resp.model_dump_json(), media_type="application/json")
-
-    async def _chat_events(self, req: ChatCompletionRequest, stream: RequestStream, model: str,
-                           num: int, shape: Callable[[], ChatOutput]) -> AsyncIterator[str]:
-        created = now()
-        shapers = [shape() for _ in range(num)]
-
-        def chunk(choice_list: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model,
-                                           choices=choice_list, usage=usage).model_dump_json())
-
-        def delta(index: int, out: RequestOutput, c: _Choice) -> ChatChunkChoice | None:
-            logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
-            part = shapers[index].feed(out.new_text)
-            if out.finished:
-                end = shapers[index].finish(c.finish_reason)
-                part = Delta(part.reasoning + end.reasoning, part.content + end.content, end.calls,
-                             end.finish_reason)
-            if not (part.content or part.reasoning or logprobs or out.finished):
-                return None  # text held back (a stop string, a tool call, a tag): nothing to say yet
-            calls = [{"index": j, **call.as_openai()} for j, call in enumerate(part.calls or [])] or None
-            return ChatChunkChoice(
-                index=index, delta=DeltaMessage(content=part.content or None,
-                                                reasoning_content=part.reasoning or None, tool_calls=calls),
-                logprobs=logprobs, finish_reason=part.finish_reason if out.finished else None,
-                stop_reason=c.stop_reason if out.finished else None)
-
-        opening = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                   for i in range(num)]
-        async for event in self._events(req, stream, num, chunk, opening, delta):
-            yield event
-
-    async def _events(self, req: ChatCompletionRequest | CompletionRequest, stream: RequestStream, num: int,
-                      chunk: Callable[..., str], opening: list[str],
-                      delta: Callable[[int, RequestOutput, _Choice], Any]) -> AsyncIterator[str]:
-        """The SSE stream shared by both endpoints: `delta` turns an engine output into the endpoint's
-        chunk choice (None: nothing to send yet)."""
-        t0 = time.monotonic()
-        choices = [_Choice() for _ in range(num)]
-        try:
-            for event in opening:
-                yield event
-            async for index, out in stream:
-                c = choices[index]
-                c.add(out)
-                if out.finished:
-                    _raise_if_failed(c, stream.request_id)
-                choice = delta(index, out, c)
-                if choice is None:
-                    continue
-                usage = _usage(choices, req.n, self.spec_metrics) if req.continuous_usage else None
-                yield chunk([choice], usage)
-            if req.include_usage:
-                yield chunk([], _usage(choices, req.n, self.spec_metrics))
-            self._log_done(stream.request_id, choices, t0)
-        except APIError as e:
-            yield sse(_json(e.body()))
-            self._log_done(stream.request_id, choices, t0, f" with error {e.status}")
-        except Exception as e:  # noqa: BLE001 - fail this stream only, in the OpenAI shape
-            yield sse(_json(internal_error(stream.request_id, e).body()))
-        finally:
-            stream.close()
-        yield SSE_DONE
-
-    # -- completions ---------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        request_id = raw.state.request_id = f"cmpl-{uuid.uuid4().hex}"
-        model = self.resolve_model(req.model)
-        req.check(self.settings.max_n, self.stop_limits)
-        prompts = req.prompts()
-        self.check_choices(len(prompts), req.n)
-        for p in prompts:
-            if isinstance(p, str):
-                self.tokens.check_length(p, "prompt")
-        params, fit = self.sampling_params(req, req.logprobs)
-
-        def preprocess() -> tuple[list[SubRequest], list[str]]:
-            structured_param = self.structured(req, params)
-            ids = [self.tokens.encode(p, req.add_special_tokens) if isinstance(p, str) else p
-                   for p in prompts]
-            # token ids are range-checked here, before any decoding
-            subs = self.prepare(ids, params, req.n, fit_max_tokens=fit, structured_param=structured_param)
-            texts: list[str] = []
-            if req.echo:
-                decoded = iter(self.tokens.decode_many([p for p in prompts if not isinstance(p, str)], False))
-                texts = [p if isinstance(p, str) else next(decoded) for p in prompts]
-            return subs, texts
-
-        subs, texts = await self.offload(preprocess)
-        stream = await self.submit(request_id, subs)
-        echoes = [texts[i // req.n] if req.echo else "" for i in range(len(subs))]
-        if req.stream:
-            return EventStreamResponse(self._completion_events(req, stream, model, echoes), stream.close)
-        return await self._unless_disconnected(raw, stream, self._completion_full(req, stream, model, echoes))
-
-    async def _completion_full(self, req: CompletionRequest, stream: RequestStream, model: str,
-                               echoes: list[str]) -> Response:
-        t0 = time.monotonic()
-        choices = await self._collect(stream, len(echoes), t0)
-        out = []
-        for i, (c, echo) in enumerate(zip(choices, echoes, strict=True)):
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = self.completion_logprobs(c.logprobs, len(echo))[0]
-            out.append(CompletionChoice(index=i, text=echo + "".join(c.text), logprobs=logprobs,
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        resp = CompletionResponse(id=stream.request_id, model=model, choices=out,
-                                  usage=_usage(choices, req.n, self.spec_metrics))
-        self._log_done(stream.request_id, choices, t0)
-        return Response(resp.model_dump_json(), media_type="application/json")
-
-    async def _completion_events(self, req: CompletionRequest, stream: RequestStream, model: str,
-                                 echoes: list[str]) -> AsyncIterator[str]:
-        created = now()
-        offsets = [len(e) for e in echoes]
-
-        def chunk(choice_list: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return sse(CompletionResponse(id=stream.request_id, created=created, model=model,
-                                          choices=choice_list, usage=usage).model_dump_json())
-
-        def delta(index: int, out: RequestOutput, c: _Choice) -> CompletionChoice | None:
-            logprobs = None
-            if req.logprobs is not None and out.new_logprobs:
-                logprobs, offsets[index] = self.completion_logprobs(out.new_logprobs, offsets[index])
-            if not (out.new_text or logprobs or out.finished):
-                return None
-            return CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
-                                    finish_reason=c.finish_reason if out.finished else None,
-                                    stop_reason=c.stop_reason if out.finished else None)
-
-        opening = [chunk([CompletionChoice(index=i, text=echo)]) for i, echo in enumerate(echoes) if echo]
-        async for event in self._events(req, stream, len(echoes), chunk, opening, delta):
-            yield event
-
-    # -- /tokenize, /detokenize ----------------------------------------------------------------
-    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        self.resolve_model(req.model)
-        req.check()
-        if req.prompt is not None:
-            prompt = req.prompt
-            self.tokens.check_length(prompt, "prompt")
-            add_special = True if req.add_special_tokens is None else req.add_special_tokens
-
-            def encode() -> list[int]:
-                return self.tokens.encode(prompt, add_special)
-        else:
-            messages = req.messages
-            assert messages is not None
-            self.check_messages(messages)
-            source, kwargs = self.template_request(req.chat_template, req.chat_template_kwargs)
-
-            def encode() -> list[int]:
-                return self.render_chat(messages, source, kwargs, req.add_generation_prompt,
-                                        req.continue_final_message)
-
-        def preprocess() -> tuple[list[int], list[str] | None]:
-            ids = encode()
-            strs = list(self.client.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-            return ids, strs
-
-        ids, strs = await self.offload(preprocess)
-        return TokenizeResponse(count=len(ids), max_model_len=self.client.max_model_len, tokens=ids,
-                                token_strs=strs)
-
-    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        self.resolve_model(req.model)
-        max_len, vocab = self.client.max_model_len, self.client.core.loaded.vocab_size
-        if len(req.tokens) > max_len:
-            raise bad_request(f"{len(req.tokens)} tokens are more than max_model_len={max_len}",
-                              param="tokens")
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is out of vocabulary (size {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=await self.offload(self.tokens.decode, req.tokens, False))
-
-def _json(obj: object) -> str:
-    import json
-
-    return json.dumps(obj, ensure_ascii=False)

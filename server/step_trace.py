@@ -1,13 +1,6 @@
-"""`--step-trace FILE`: one JSON line per engine step, for diagnosing speculation under load.
-
-Why a trace and not only /metrics: a throughput gap between two servers is either what they computed
-(requests per step, drafts, K chosen) or how fast the machine computed it; the histograms mix the two.
-With each step's shape and time, steps of the same shape can be compared across servers and across
-time (the same 32-row decode step took 0.56 s in one server and 1.15 s in another beside it, which
-turned out to be in malloc churn: engine/malloc.py). `python -m loadtests.traces FILE...` summarises traces.
-
-Written on the engine thread after each step: a line is ~200 bytes and one buffered write.
-"""
+"""`--step-trace FILE`: one JSON line per engine step, for telling what a server computed from how fast it
+computed it (docs/monitoring.md, "Step traces"). Written on the engine thread: ~200 bytes, one buffered
+write per step."""
 
 from __future__ import annotations
 

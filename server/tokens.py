@@ -1,18 +1,14 @@
-"""Tokenizer-side helpers: prompt encoding, chat templates, per-token text/bytes for logprobs."""
+"""Tokenizer-side helpers: prompt encoding and decoding, per-token text/bytes for logprobs."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from server.chat_template import ChatTemplate, RenderLimitError
 from server.errors import bad_request
-from server.protocol import ChatMessage, check_unicode
-
-logger = logging.getLogger(__name__)
+from server.protocol import check_unicode
 
 
 @lru_cache(maxsize=1)
@@ -28,9 +24,6 @@ def _byte_decoder() -> dict[str, int]:
             chars.append(256 + extra)
             extra += 1
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
-
-
-_CONTINUE_MARK = "\U000f0000"  # a private-use character no template alters (no case, not whitespace)
 
 
 def longest_token(tokenizer: Any) -> int:
@@ -102,32 +95,3 @@ class TokenText:
         if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
             return backend.decode_batch([list(p) for p in prompts], skip_special_tokens=skip_special_tokens)
         return [self.tokenizer.decode(list(p), skip_special_tokens=skip_special_tokens) for p in prompts]
-
-    def render_chat(self, messages: list[ChatMessage], template: ChatTemplate, variables: dict[str, Any],
-                    add_generation_prompt: bool, continue_final_message: bool, timeout: float,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render the chat template (bounded: `timeout` seconds, `max_chars`) and tokenize; the template
-        adds any special tokens. `variables` are the template kwargs, already checked; `tools` the
-        request's tools when the model may call them."""
-        conversation = [m.template_fields(i) for i, m in enumerate(messages)]
-        if continue_final_message:
-            if conversation[-1]["role"] != "assistant":
-                raise bad_request("`continue_final_message` needs the last message to be the assistant's",
-                                  param="continue_final_message")
-            conversation[-1]["content"] += _CONTINUE_MARK
-        context = {**self.special_tokens, **variables, "messages": conversation, "tools": tools or None,
-                   "documents": None, "add_generation_prompt": add_generation_prompt}
-        try:
-            text = template.render(context, timeout, self.max_chars)
-        except RenderLimitError as e:
-            raise bad_request(str(e), param="messages", code="chat_template_limit") from None
-        except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the caller's
-            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from e
-        if continue_final_message:
-            # Cut where the last message ends, so the model goes on writing it.
-            end = text.rfind(_CONTINUE_MARK)
-            if end < 0:
-                raise bad_request("`continue_final_message`: the chat template does not keep the end of the "
-                                  "last message", param="continue_final_message")
-            text = text[:end]
-        return self.encode(text, add_special_tokens=False, param="messages")

@@ -97,22 +97,30 @@ def forced_schema(tools: list[dict[str, Any]], choice: str, parallel: bool) -> d
             "items": {"anyOf": variants}, "x-guidance": {**_COMPACT}}
 
 
+def _past_ws(text: str, at: int) -> int:
+    """The first index from `at` on that is not JSON whitespace."""
+    m = _WS.match(text, at)
+    assert m is not None  # `*`: it matches everywhere
+    return m.end()
+
+
 def _json_items(text: str) -> list[Any]:
     """The complete items of a JSON list, also of one cut short (raises ValueError where no list begins)."""
-    decoder, items = json.JSONDecoder(), []
-    at = _WS.match(text, 0).end()
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    at = _past_ws(text, 0)
     if not text.startswith("[", at):
         raise ValueError("not a JSON list")
-    at = _WS.match(text, at + 1).end()
+    at = _past_ws(text, at + 1)
     while not text.startswith("]", at):
         try:
             item, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return items
         items.append(item)
-        at = _WS.match(text, at).end()
+        at = _past_ws(text, at)
         if text.startswith(",", at):
-            at = _WS.match(text, at + 1).end()
+            at = _past_ws(text, at + 1)
         elif not text.startswith("]", at):
             return items
     return items
@@ -126,7 +134,8 @@ def forced_calls(text: str, choice: str) -> list[ToolCall]:
         json.loads(text)
         return [ToolCall(choice, text)]
     items = _json_items(text)
-    calls, seen = [], set()
+    calls: list[ToolCall] = []
+    seen: set[tuple[str, str]] = set()
     for item in items:
         args = json.dumps(item["parameters"], ensure_ascii=False)
         key = (item["name"], json.dumps(item["parameters"], sort_keys=True))
@@ -141,7 +150,7 @@ def forced_calls(text: str, choice: str) -> list[ToolCall]:
 def _call_from(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):
         try:
             json.loads(args)
@@ -341,7 +350,8 @@ class ChatOutput:
 
     def _delta(self, final: bool) -> tuple[Delta, list[ToolCall]]:
         reasoning, raw = self._parts(final)
-        out, calls = Delta(), []
+        out = Delta()
+        calls: list[ToolCall] = []
         if reasoning is not None and len(reasoning) > len(self._reasoning_sent):
             out.reasoning = reasoning[len(self._reasoning_sent):]
             self._reasoning_sent = reasoning

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Runs inside each tree, so it uses only what both the baseline and this tree provide.
 CHILD = r"""
 import json, statistics, sys, time
-import engine  # chooses the BLAS and kernels before mlx is imported
+import engine  # no platform.setup() in either tree: the committed comparison ran without it
 import mlx.core as mx
 import numpy as np
 from engine.cpu.qgemm import PackedWeights, qgemm_host

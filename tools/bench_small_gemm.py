@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import engine  # noqa: F401  (chooses the BLAS and the kernel before mlx is imported)
+from engine import platform
 
 # (requests, tokens each): one request decoding or verifying T-1 drafts; batches of decoding requests;
 # batches where every request verifies drafts (12 to 40 rows: several chunks of rows per weight block).
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json", default="results/bench_small_gemm.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    platform.setup()  # the BLAS, malloc and OpenMP choices, before anything imports mlx
     if args.child:
         print(json.dumps(measure(args.iters)))
         return 0

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import engine  # noqa: F401  (chooses the BLAS before mlx is imported)
+from engine import platform
 
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (4, 1), (8, 1), (8, 5)]
 
@@ -35,6 +35,7 @@ def _engine(precision: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    platform.setup()  # the BLAS, malloc and OpenMP choices, before anything imports mlx
     from engine.cpu.build import selected_isa
     from loadtests.quality import precision_list
     from tools.bench_small_gemm import CONTEXT, prepared_step

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import engine  # noqa: F401  (chooses the BLAS before mlx is imported)
+from engine import platform as engine_platform
 
 
 def mixes(c: int) -> dict[str, list[int]]:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--output-json", default="results/tmp/verify_mix.json")
     args = p.parse_args(argv)
+    engine_platform.setup()  # the BLAS, malloc and OpenMP choices, before anything imports mlx
 
     import mlx.core as mx
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.llm import chat_prompt_ids
     from engine.models.loader import load_model
     from engine.sampling import SamplingParams
-    from engine.scheduler import ScheduledRequest, SchedulerOutput
+    from engine.step import ScheduledRequest, SchedulerOutput
     from loadtests.datasets import load_dataset
 
     c = args.requests

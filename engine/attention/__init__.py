@@ -1,1 +1,2 @@
-"""Paged attention: shared types, the reference path, the C kernel's wrapper and the backend selector."""
+"""Paged attention: shared types, the reference path and the backend selector (the C kernel's wrapper is
+engine/cpu/attention.py)."""

@@ -1,9 +1,5 @@
-"""The reference paged attention (plain MLX ops: gather a group's KV blocks, then attend), used wherever
-no kernel exists and as the yardstick of the kernels' start-up self-tests.
-
-On the head-major layout the softmax's exponential is taken as a power of two (`_attend_pow2`), cheaper
-on MLX's CPU backend.
-"""
+"""The reference paged attention in plain MLX ops (gather a group's KV blocks, then attend): the fallback
+wherever no kernel runs, and the kernels' self-test yardstick."""
 
 from __future__ import annotations
 
@@ -35,8 +31,7 @@ def group_attention_reference(
         qg = q[:, :, None, :] if L == 1 else q.transpose(1, 0, 2)[None]  # [R, H, L, D]
     else:
         qg = mx.contiguous(q[g.q_index].transpose(0, 2, 1, 3))
-    # Contiguous copies: MLX's CPU SDPA on the transposed views was far slower than copy + SDPA at
-    # many decode rows. kg, vg: [R, Hkv, C, D].
+    # [R, Hkv, C, D] copies: MLX's CPU SDPA on transposed views was far slower.
     kg = mx.contiguous(k_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3))
     vg = mx.contiguous(v_blocks[g.block_tables].reshape(R, ctx, hkv, d).transpose(0, 2, 1, 3))
     o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask(window))
@@ -45,19 +40,15 @@ def group_attention_reference(
 
 def _group_attention_head_major(q: mx.array, k: mx.array, v: mx.array, g: AttentionGroup, scale: float,
                                 window: int | None) -> mx.array:
-    """`group_attention_reference` on a head-major cache ([Hkv, slots, D]). The gather of the group's
-    blocks gives [Hkv, R * C, D], a free reshape of [Hkv, R, C, D]: attention then runs with the KV heads
-    as its batch and the group's requests as its heads, each query head's G = H / Hkv rows folded into the
-    query length of its KV head. Per (request, head) the same dot products and sums as the block-major
-    path; only the exponential differs (`_attend_pow2`)."""
+    """`group_attention_reference` on a head-major cache ([Hkv, slots, D]): KV heads are the batch, each one's
+    G = H / Hkv query heads folded into the query length."""
     hkv, slots, d = k.shape
     R, L = g.num_rows, g.max_len
     h = q.shape[1]
     G = h // hkv
     bs = g.block_size
     ctx = g.block_tables.shape[1] * bs
-    # Whole blocks per (head, request): each index copies bs * D contiguous values, where a gather of
-    # single slots copied D at a time and showed in the decode step's time. Same values, bitwise.
+    # Whole blocks per (head, request): a gather of single slots showed in the decode step's time.
     rows = g.head_block_rows(hkv, slots // bs)
     kg = k.reshape(-1, bs * d)[rows].reshape(hkv, R, ctx, d)
     vg = v.reshape(-1, bs * d)[rows].reshape(hkv, R, ctx, d)
@@ -70,10 +61,7 @@ def _group_attention_head_major(q: mx.array, k: mx.array, v: mx.array, g: Attent
 
 
 def _attend_pow2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """softmax(q k^T * scale, masked) v, as MLX's CPU SDPA composes it, with the exponential taken as a
-    power of two of log2(e)-scaled scores: MLX's CPU `exp` costs far more than `power(2, x)` per
-    element, and the exponentials are most of attention once a step has many query rows (verification).
-    Rows do not mix: each query row's softmax and weighted sum read only its own scores."""
+    """softmax(q k^T * scale, masked) v, the exponential a power of two (cheaper on MLX's CPU)."""
     s = (q * (scale * LOG2E)) @ k.swapaxes(-1, -2)
     s = mx.where(mask, s, -mx.inf)  # every query sees at least its own key: no row is all -inf
     p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
@@ -107,10 +95,9 @@ def paged_attention_reference(
 def random_case(lens: list[tuple[int, int]], block_size: int, head_dim: int, num_heads: int,
                 num_kv_heads: int, head_major: bool, dtype: mx.Dtype = mx.float32, seed: int = 0
                 ) -> tuple[mx.array, mx.array, mx.array, AttentionMetadata]:
-    """A step of random queries over a random paged cache, for kernel self-tests: `lens` per request
-    (context before the step, tokens this step). Each request's blocks are numbered backwards, so a kernel
-    that ignores the block table reads the wrong keys. Returns q [T, H, D], the key and value caches
-    (head-major [Hkv, slots, D] or block-major [blocks, block_size, Hkv, D]) and the step's metadata."""
+    """A random step over a random paged cache for kernel self-tests: `lens` per request (context before the
+    step, tokens this step). Blocks are numbered backwards, so a kernel ignoring the block table fails.
+    -> q [T, H, D], key and value caches, metadata."""
     chunks, first = [], 1  # block 0 stays unused
     for start, n in lens:
         nb = -(-(start + n) // block_size)
@@ -127,8 +114,7 @@ def random_case(lens: list[tuple[int, int]], block_size: int, head_dim: int, num
 
 
 def reference_mismatch(got: mx.array, want: mx.array, tol: float) -> str | None:
-    """Why a kernel's output disagrees with the reference path's (None: it agrees within `tol`, absolute
-    and relative)."""
+    """Why a kernel's output disagrees with the reference path's (None: within `tol`, abs. and rel.)."""
     if tuple(got.shape) != tuple(want.shape):
         return f"output shape {tuple(got.shape)}, the reference path's {tuple(want.shape)}"
     g = np.array(got.astype(mx.float32))

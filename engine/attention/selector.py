@@ -1,6 +1,5 @@
-"""Choosing the attention backend once at start-up: Metal kernels, the C kernel or the reference path,
-each kernel set checked against the reference path on a small random case first.
-"""
+"""Choosing the attention backend once at start-up (Metal kernels, the C kernel or the reference path), each
+kernel set first checked against the reference path."""
 
 from __future__ import annotations
 
@@ -10,10 +9,12 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engine.attention.cpu import cpu_paged_attention
 from engine.attention.reference import paged_attention_reference
 from engine.attention.types import AttentionBackend, KernelSet
+from engine.cpu import attention as cpu_attention
+from engine.cpu.attention import cpu_paged_attention
 from engine.kv.cache import PagedKVCache
+from metal_kernels import ops as metal_ops
 
 logger = logging.getLogger(__name__)
 
@@ -22,16 +23,13 @@ logger = logging.getLogger(__name__)
 def _self_test_failures(backend: str) -> tuple[str, ...]:
     """The built-in kernels' self-test, run once per process."""
     if backend == "metal":
-        from metal_kernels.ops import self_test
-    else:
-        from engine.attention.cpu import self_test
-    return tuple(self_test())
+        return tuple(metal_ops.self_test())
+    return tuple(cpu_attention.self_test())
 
 
 def _failed_self_test(name: str, backend: AttentionBackend, failures: list[str] | tuple[str, ...]
                       ) -> tuple[Callable[..., mx.array], str]:
-    """A kernel set that failed its start-up self-test: refused where it was asked for by name, else
-    logged and replaced by the reference path."""
+    """A kernel set that failed its self-test: refused when named, else replaced by the reference path."""
     msg = f"the {name} attention kernels failed their start-up self-test: {'; '.join(failures)}"
     if backend == name:
         raise ValueError(f"--attention-backend {name}: {msg}; use auto or reference")
@@ -42,15 +40,8 @@ def _failed_self_test(name: str, backend: AttentionBackend, failures: list[str] 
 def select_attention(backend: AttentionBackend, *, metal_available: bool | None = None,
                      metal_kernels: KernelSet | None = None, cpu_kernel: Callable[..., mx.array] | None = None
                      ) -> tuple[Callable[..., mx.array], str]:
-    """The attention function for `--attention-backend`, and a label for the start-up log.
-
-    `auto` picks the Metal kernels when MLX has a Metal device, else the C kernel on an x86-64 CPU with
-    AVX-512F (engine/attention/cpu.py), else the reference path; `metal` or `cpu` where it cannot run is
-    a start-up error, not a silent fallback. Either kernel set first runs once on a small random case
-    against the reference path (`self_test`): on an error or a mismatch `auto` logs it and takes the
-    reference path, an explicit `metal` / `cpu` refuses to start. The C kernel also needs a float32
-    head-major cache: the engine checks that (`cpu_attention_fits`). `metal_available`, `metal_kernels`
-    and `cpu_kernel` replace the device check and the kernels under test (tests)."""
+    """The attention function for `--attention-backend` and a start-up label: `auto` takes Metal, else C,
+    else the reference path; a failed self-test falls back under `auto`, refuses when named."""
     if backend not in ("auto", "metal", "cpu", "reference"):
         raise ValueError(f"attention_backend must be auto, metal, cpu or reference, not {backend!r}")
     if backend == "reference":
@@ -60,15 +51,13 @@ def select_attention(backend: AttentionBackend, *, metal_available: bool | None 
         if not metal:
             raise ValueError("--attention-backend metal needs an Apple GPU (mx.metal.is_available() is False "
                              "here); use auto or reference")
-        from metal_kernels.ops import paged_attention_metal, self_test
-
-        failures = _self_test_failures("metal") if metal_kernels is None else self_test(metal_kernels)
+        failures = (_self_test_failures("metal") if metal_kernels is None
+                    else metal_ops.self_test(metal_kernels))
         if failures:
             return _failed_self_test("metal", backend, failures)
-        return paged_attention_metal, ("metal (paged_attention_decode / paged_attention_prefill kernels; "
-                                       "prefill chunks over 128 tokens on the gather path)")
-    from engine.attention import cpu as cpu_attention
-
+        label = ("metal (paged_attention_decode / paged_attention_prefill kernels; prefill chunks over 128 "
+                 "tokens on the gather path)")
+        return metal_ops.paged_attention_metal, label
     why = cpu_attention.unsupported_reason()
     if why is None:
         failures = _self_test_failures("cpu") if cpu_kernel is None else cpu_attention.self_test(cpu_kernel)
@@ -90,9 +79,8 @@ def cpu_attention_fits(kv: PagedKVCache) -> str | None:
 
 
 def attention_for_cache(backend: AttentionBackend, kv: PagedKVCache) -> tuple[Callable[..., mx.array], str]:
-    """`select_attention`, then checked against the cache it will read: the C kernel falls back to the
-    reference path (or refuses, when asked for by name) on a cache it cannot read, and the Metal kernels
-    refuse a head-major one."""
+    """`select_attention`, checked against the cache it will read: the C kernel falls back (or refuses when
+    named) on a cache it cannot read, the Metal kernels refuse a head-major one."""
     attention_fn, label = select_attention(backend)
     if attention_fn is cpu_paged_attention and (why := cpu_attention_fits(kv)) is not None:
         if backend == "cpu":

@@ -1,6 +1,5 @@
-"""What attention kernels share: a step's layout (groups of requests by query length, slots, positions)
-and the backend names. Imports nothing from the engine, so every backend and the Metal kernels can use it.
-"""
+"""What attention kernels share: a step's layout and the backend names. Imports nothing from the engine, so
+the Metal kernels can use it."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-# Requests computing more than this many tokens in a step get their own attention call; shorter ones
-# share one per query length.
+# Requests computing more tokens than this in a step get their own attention call.
 _PAD_GROUP_MAX_TOKENS = 16
 
 
@@ -26,8 +24,7 @@ class AttentionGroup:
     num_rows: int
     max_len: int
     block_size: int
-    # The group is the whole batch in order (pure decode: L == 1, or a single request: R == 1):
-    # queries and outputs are reshapes, not gathers.
+    # The whole batch in order (pure decode, or one request): queries and outputs are reshapes.
     identity: bool = False
     _masks: dict[int | None, mx.array] = field(default_factory=dict)
     _folded: dict[tuple[int | None, int], mx.array] = field(default_factory=dict)
@@ -45,8 +42,8 @@ class AttentionGroup:
         return m
 
     def head_block_rows(self, num_kv_heads: int, num_blocks: int) -> mx.array:
-        # [Hkv * R * NB] int32: rows of a head-major cache viewed as [Hkv * num_blocks, block_size * D],
-        # head by head, then request by request, then block by block (the head-major gather's index).
+        # [Hkv * R * NB] int32: rows of a head-major cache as [Hkv * num_blocks, block_size * D], by head,
+        # request, block.
         key = (num_kv_heads, num_blocks)
         rows = self._rows.get(key)
         if rows is None:
@@ -69,7 +66,7 @@ class AttentionGroup:
 
 @dataclass(slots=True)
 class HostMetadata:
-    """The step's layout as NumPy int32 arrays, for attention written in C (engine/attention/cpu.py)."""
+    """The step's layout as NumPy int32 arrays, for attention written in C (engine/cpu/attention.py)."""
 
     positions: np.ndarray  # [T] each token's position
     token_table: np.ndarray  # [T] offset of its request's block table in `tables`
@@ -126,11 +123,8 @@ def build_metadata(
             positions.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
 
-    # One group per query length up to _PAD_GROUP_MAX_TOKENS, so no query row is padded: decode rows are
-    # not padded to a verifying request's length, nor is a request verifying one draft padded to
-    # another's four (adaptive K mixes lengths every step, and one long row padding the rest made the
-    # step cost far more than its tokens; the cost model assumes a step's cost grows with its tokens).
-    # Each long chunk is a group of its own.
+    # One group per query length up to _PAD_GROUP_MAX_TOKENS (no short row padded to a longer one); each
+    # long chunk is a group of its own.
     short: dict[int, list[int]] = {}
     large: list[list[int]] = []
     offsets = [0]
@@ -168,6 +162,5 @@ def build_metadata(
 
 
 AttentionBackend = Literal["auto", "metal", "cpu", "reference"]
-# Compiled Metal kernels by name (metal_kernels/ops.py), each called with inputs, template, grid,
-# threadgroup, output shapes and dtypes, init_value.
+# Compiled Metal kernels by name (metal_kernels/ops.py).
 KernelSet = Mapping[str, Callable[..., list[mx.array]]]

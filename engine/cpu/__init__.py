@@ -1,1 +1,1 @@
-"""The C kernels of the CPU path (small-M GEMM, paged attention, the MTP draft loop) and their builder."""
+"""The C kernels of the CPU path, a ctypes wrapper beside each .c file, and their builder."""

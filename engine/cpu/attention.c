@@ -1,4 +1,4 @@
-// Paged attention for the CPU over the head-major float32 KV cache (see engine/attention/cpu.py).
+// Paged attention for the CPU over the head-major float32 KV cache (see engine/cpu/attention.py).
 //
 // Why: on MLX's CPU backend the reference path (gather blocks, scores, mask, softmax, weighted sum as
 // separate ops) cost about as much as all the weight matmuls of a SmolLM2 step, and every verified draft

@@ -1,12 +1,6 @@
-"""Compile the engine's C kernels (engine/cpu/*.c) where they run, for one instruction set.
-
-Every kernel is written once against engine/cpu/simd.h and built for the ISA `SPECSERVE_CPU_ISA` names
-(auto: the best the CPU reports; avx512, avx2 or neon to force one the CPU can run; off: none, MLX's own
-float32 path). A library is built once per (source, compiler, flags, CPU) with the system C compiler into
-the model cache folder and loaded with ctypes. It is loaded from the cache only when it and every folder
-up to the cache root belong to this user (or root) and nobody else can write them; otherwise it is built
-again in a private temporary folder.
-"""
+"""Compile the engine's C kernels (engine/cpu/*.c) with the system C compiler for the ISA `SPECSERVE_CPU_ISA`
+names, once per (source, compiler, flags, CPU), into the cache folder (docs/cpu-backend.md); a cached
+library is loaded only where nobody else could have written it (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -30,16 +24,14 @@ from engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# -ffp-contract=off: no compiler fuses a kernel's scalar code its own way, so every ISA gives the same bits.
-# -Werror=undef: a name #if cannot see (an enum) is an error, not a silent 0 that picks another ISA's tiles.
+# -ffp-contract=off: no compiler fuses scalar code its own way (the same bits on every ISA).
+# -Werror=undef: a name #if cannot see is an error, not a silent 0 that picks another ISA's tiles.
 BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-Werror=undef"]
-# Hardening that costs these kernels nothing (no stack arrays in the hot loops, a few external calls
-# per kernel call); tools/bench_small_gemm.py shows it.
+# Hardening that costs these kernels nothing measurable (tools/bench_small_gemm.py).
 HARDENING_FLAGS = ["-fstack-protector-strong", "-D_FORTIFY_SOURCE=2"]
 _LINUX_HARDENING = ["-Wl,-z,relro,-z,now"]
-# Vector extensions `-march=native` could enable from CPUID although the kernel (or a hypervisor) masks
-# them in /proc/cpuinfo: each one the CPU does not report is switched off (gcc/clang option names).
-# -mno-avx512f also switches off every other AVX-512 subset.
+# Extensions `-march=native` could enable from CPUID although /proc/cpuinfo masks them: each one the CPU
+# does not report is switched off (-mno-avx512f switches off every AVX-512 subset).
 _GUARDED = {"avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f"}
 # Instruction sets, best first: the CPU features each needs (/proc/cpuinfo names on x86).
 ISA_FEATURES: dict[str, tuple[str, ...]] = {
@@ -65,8 +57,7 @@ def _cpuinfo() -> str:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags: /proc/cpuinfo's (x86 `flags`, ARM `Features`), on macOS sysctl's (lower
-    case, as /proc/cpuinfo names them); empty where there is neither."""
+    """The CPU's feature flags (/proc/cpuinfo, or sysctl on macOS, lower-cased); empty without either."""
     for line in _cpuinfo().splitlines():
         if line.startswith(("flags", "Features")):
             return frozenset(line.partition(":")[2].split())
@@ -107,8 +98,8 @@ def runnable_isas(flags: frozenset[str] | None = None, arch: str | None = None) 
 
 
 def selected_isa() -> str | None:
-    """The instruction set the kernels are built for (SPECSERVE_CPU_ISA; None: off, or none runs here).
-    A forced ISA the CPU cannot run is an error."""
+    """The ISA the kernels are built for (None: off, or none runs here); a forced one the CPU cannot run is
+    an error."""
     return _resolve_isa(envs.get("SPECSERVE_CPU_ISA"), cpu_flags(), machine())
 
 
@@ -169,9 +160,9 @@ def isa_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
 
 
 def cpu_kernel_reason(load: Callable[[], object], source: str, isa: str | None = None) -> str | None:
-    """Why a C kernel that runs between MLX graphs on the CPU cannot run here (None: it can): no kernel
-    ISA, MLX on a GPU, or `load()` (build and load the library) failing."""
-    import mlx.core as mx
+    """Why a C kernel run between MLX graphs cannot run here (None: it can): no ISA, MLX on a GPU, or
+    `load()` failing."""
+    import mlx.core as mx  # engine/blas.py imports this module before MLX may load
 
     why = kernel_reason(isa)
     if why:
@@ -186,8 +177,8 @@ def cpu_kernel_reason(load: Callable[[], object], source: str, isa: str | None =
 
 
 def build_kernel(source: Path, name: str, isa: str | None = None, out_dir: Path | None = None) -> Path:
-    """Build one kernel source (with simd.h and the sources it #includes) for `isa` (default: the
-    selected one); returns the library's path. Raises RuntimeError where no ISA runs."""
+    """Build one kernel source (with simd.h and its #includes) for `isa` (default: the selected one);
+    -> the library's path. Raises RuntimeError where no ISA runs."""
     isa = isa or selected_isa()
     if isa is None:
         raise RuntimeError(f"no C kernels here: {isa_status()}")
@@ -206,9 +197,8 @@ def _cpu_fingerprint() -> str:
 
 
 def unsafe_reason(path: Path, root: Path) -> str | None:
-    """Why `path` (a built library, or the folder for one) must not be trusted: it, or a folder above it
-    up to `root`, is not owned by this user (or root) or is writable by group or others, or `path` is a
-    symbolic link. None: safe."""
+    """Why `path` (a library or its folder) must not be trusted: it or a folder up to `root` is not this
+    user's (or root's), is group/other-writable, or `path` is a symlink. None: safe."""
     me = os.geteuid()
     for item in [path, *[p for p in path.parents if p == root or root in p.parents]]:
         try:
@@ -242,14 +232,13 @@ def _fallback_dir() -> Path:
 
 def build_library(source: Path, name: str, flags: list[str], out_dir: Path | None = None,
                   includes: Iterable[Path] = ()) -> Path:
-    """Compile `source` if this version is not built yet; returns the library's path. `includes`: the
-    files `source` #includes, part of its version. Raises RuntimeError when no compiler is found or
-    compilation fails."""
+    """Compile `source` unless this version is built; -> the library's path. `includes`: files it
+    #includes (part of its version). Raises RuntimeError without a compiler or on a failed build."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     src = source.read_bytes() + b"".join(p.read_bytes() for p in includes)
-    # -march=native: a cache folder shared by machines with other CPUs must not reuse the build.
+    # -march=native: machines with other CPUs sharing the cache must not reuse the build.
     tag = hashlib.sha256(src + " ".join([cc, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
     root = out_dir or cache_dir()
     folder = out_dir or cache_dir() / "kernels"
@@ -268,7 +257,7 @@ def build_library(source: Path, name: str, flags: list[str], out_dir: Path | Non
         out = _fallback_dir() / out.name
         if out.exists():
             return out
-    # Build to a private name and rename: processes starting together never load a half-written file.
+    # A private name, then rename: processes starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:

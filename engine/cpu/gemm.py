@@ -1,14 +1,6 @@
-"""Build and load `gemm.c`, a small-M float32 GEMM placed in front of the optimized BLAS.
-
-MLX's CPU backend calls `cblas_sgemm` for every float32 matmul. Decode and draft verification run
-matmuls with a few rows of activations (1 + K per verifying request, one per decoding request), where
-MKL switches from its GEMV path to a far dearer GEMM path from 4 rows on; the kernel here streams the
-weights once for up to 256 rows (prefill chunks included, where it also beats MKL) and takes any row
-count, so that each row gets bitwise the result it would have alone whatever the step's size (see the
-C file; figures: docs/design-notes.md). It is compiled once per source version and ISA with the system
-C compiler into the model cache folder, and must be loaded before libmlx binds `cblas_sgemm`
-(engine/blas.py does this). `SPECSERVE_SMALL_GEMM=off` turns it off.
-"""
+"""Build and load `gemm.c`, the small-M float32 GEMM in front of the BLAS (docs/cpu-backend.md#small-m-gemm).
+It must load before libmlx binds `cblas_sgemm` (engine/blas.py does this); `SPECSERVE_SMALL_GEMM=off`
+turns it off."""
 
 from __future__ import annotations
 
@@ -20,8 +12,7 @@ from engine.cpu.build import build_kernel, kernel_reason
 from engine.cpu.threads import cpu_threads
 
 SOURCE = Path(__file__).with_name("gemm.c")
-# Every row count: a step over 256 rows (a prefill chunk beside verification rows) left to the BLAS
-# would give its rows other bits than the same rows in a small step.
+# Every row count: rows left to the BLAS would get other bits than the same rows in a small step.
 MAX_M = 2**31 - 1
 
 

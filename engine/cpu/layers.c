@@ -99,14 +99,17 @@ static void silu_mul_range(float *g, const float *u, int j0, int j1) {
 }
 
 // h: [T, hidden] in/out (the embeddings in, the last layer's residual stream out, normed by final_norm). pos, slot: [T];
-// tok_table, tables, bs, max_ctx: as cpu_paged_attention takes them. Returns 0, -1 (out of memory) or
-// -2 (a matmul refused its shapes).
+// tok_table, tables, bs, max_ctx: as cpu_paged_attention takes them. aux: [T, n_aux, hidden] or NULL; aux_slot:
+// [num_layers + 1], where aux_slot[l] >= 0 copies the residual stream entering layer l (l = num_layers: the
+// last layer's output, before final_norm) into that slot, bit for bit (EAGLE-3's features). Returns 0, -1
+// (out of memory) or -2 (a matmul refused its shapes, or an aux slot is out of range).
 //
 // One OpenMP region for the whole call: the threads split each product's weight rows, each token's
 // norms, each (token, head)'s RoPE and each (token, KV head)'s attention, meeting at a barrier between
 // dependent stages (a region per product cost a fork and a join each, ~210 a step).
-int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const int32_t *slot,
-                   const int32_t *tok_table, const int32_t *tables, int bs, int max_ctx, int max_threads) {
+int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, const int32_t *slot,
+                       const int32_t *tok_table, const int32_t *tables, int bs, int max_ctx, int max_threads,
+                       float *aux, const int32_t *aux_slot, int n_aux) {
     const int D = m->hidden, H = m->heads, Hkv = m->kv_heads, Dh = m->head_dim, I = m->inter, half = Dh / 2;
     const int G = H / Hkv;
     const size_t qn = (size_t)H * Dh, kn = (size_t)Hkv * Dh;
@@ -126,6 +129,10 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
             L->v.k != D || L->gate.k != D || L->up.k != D)
             return -2;
     }
+    if (aux && (!aux_slot || n_aux < 1)) return -2;
+    for (int l = 0; aux && l <= m->num_layers; l++)
+        if (aux_slot[l] < -1 || aux_slot[l] >= n_aux) return -2;
+    const size_t an = (size_t)n_aux * D;
     int nth = omp_get_max_threads();
     if (max_threads > 0 && nth > max_threads) nth = max_threads;
     if (nth < 1) nth = 1;
@@ -162,6 +169,8 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++) {
                     if (l > 0) for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                    if (aux && aux_slot[l] >= 0)
+                        memcpy(aux + t * an + (size_t)aux_slot[l] * D, h + (size_t)t * D, sizeof(float) * D);
                     rms_norm(h + (size_t)t * D, L->ln_in, D, m->eps, x + (size_t)t * D);
                     if (px) q4in_row(&xp, x + (size_t)t * D, t);
                 }
@@ -222,6 +231,8 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                const int a = aux ? aux_slot[m->num_layers] : -1;
+                if (a >= 0) memcpy(aux + t * an + (size_t)a * D, h + (size_t)t * D, sizeof(float) * D);
                 if (m->final_norm) rms_norm(h + (size_t)t * D, m->final_norm, D, m->eps, h + (size_t)t * D);
             }
         }
@@ -230,4 +241,10 @@ int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const in
     q4in_free(&xp), q4in_free(&attp), q4in_free(&gp);
     free(cs), free(sn), free(scores), free(bufs);
     return rc;
+}
+
+// layers_forward_aux with no aux states captured.
+int layers_forward(const Stack *m, int T, float *h, const int32_t *pos, const int32_t *slot,
+                   const int32_t *tok_table, const int32_t *tables, int bs, int max_ctx, int max_threads) {
+    return layers_forward_aux(m, T, h, pos, slot, tok_table, tables, bs, max_ctx, max_threads, NULL, NULL, 0);
 }

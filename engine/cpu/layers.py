@@ -1,19 +1,13 @@
-"""The decoder layers of llama-family models in C (engine/cpu/layers.c): one call per step on the CPU.
-
-Where MLX runs on a CPU with a kernel ISA (engine/cpu/build.py), the KV cache is float32 head-major and
-the C attention is the backend, `build_stack` maps an mlx-lm llama / mistral / qwen2 / qwen3 model's
-layers onto the C structures (weights read in place from the MLX arrays: float32, bf16, fp16 or affine
-8/4-bit), with the embedding lookup and the final RMSNorm where they are the kernels' (CpuEmbedding,
-RMSNorm); the head stays the model's module. Anything else keeps the MLX path, which stays the
-reference the C stack is tested against. `SPECSERVE_CPU_LAYERS=off` turns it off.
-"""
+"""The decoder layers of llama-family models (llama, mistral, qwen2, qwen3) in C (layers.c): one call per step
+where the C kernels and attention run over a float32 head-major cache (docs/cpu-backend.md); anything else
+keeps the MLX path, its reference. `SPECSERVE_CPU_LAYERS=off` turns it off."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +21,8 @@ from engine.cpu.qgemm import FORMATS, PackedWeights
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 from engine.cpu.threads import cpu_threads
 from engine.kv.cache import PagedKVCache
+from engine.models.adapter import aux_order
+from engine.models.weights import CpuEmbedding, CpuLinear
 
 SOURCE = Path(__file__).with_name("layers.c")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -60,6 +56,8 @@ def _lib(isa: str | None) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.layers_forward.restype = i
     lib.layers_forward.argtypes = [ctypes.POINTER(_Stack), i, p, p, p, p, p, i, i, i]
+    lib.layers_forward_aux.restype = i
+    lib.layers_forward_aux.argtypes = [ctypes.POINTER(_Stack), i, p, p, p, p, p, i, i, i, p, p, i]
     return lib
 
 
@@ -76,8 +74,6 @@ def _f32(a: mx.array, keep: list[Any]) -> int:
 
 
 def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
-    from engine.models.weights import CpuLinear
-
     if isinstance(m, CpuLinear):
         pw: PackedWeights = m._packed
     elif type(m) is nn.Linear and m.weight.dtype == mx.float32:
@@ -99,7 +95,7 @@ class CpuLayerStack:
 
     def __init__(self, model: nn.Module, kv: PagedKVCache, windows: list[int | None],
                  isa: str | None = None, act_int8: bool = False) -> None:
-        """`act_int8`: the 4-bit products take 8-bit activations (qgemm.c's qgemm_i8 arithmetic)."""
+        """`act_int8`: the 4-bit products take 8-bit activations."""
         self.lib = _lib(isa or selected_isa())
         self.model = model
         self.kv = kv
@@ -147,16 +143,17 @@ class CpuLayerStack:
             cl.k_norm = _f32(kn.weight, self._keep) if kn is not None else None
             cl.window = windows[i] or 0
         self.layers = c_layers
-        # The final norm joins the C call where it is the same RMSNorm; the embedding lookup too where
-        # the table is kept for the C kernels (each an MLX op fewer per step).
+        # The final norm and the embedding lookup join the C call where the kernels can run them.
         norm = inner.norm
         self.final_norm = type(norm) is nn.RMSNorm and norm.eps == eps
+        # Set by the first layer's norms; a uniform KV shape: every layer stores its own KV.
+        assert eps is not None and kv.k[0] is not None
         self.stack = _Stack(len(layers), int(c_layers[0].q.k), n_heads, n_kv, head_dim,
                             int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
                             float(attn0.scale), float(rope.scale), int(kv.k[0].shape[1]),
                             inv_freq.ctypes.data, c_layers,
                             _f32(norm.weight, self._keep) if self.final_norm else None, int(act_int8))
-        self._cache_arrays: list[mx.array] = []
+        self._cache_arrays: list[mx.array | None] = []
 
     def _bind_cache(self) -> None:
         """Point the layers at the cache arrays (MLX replaces an array when it writes into it)."""
@@ -167,14 +164,23 @@ class CpuLayerStack:
         mx.eval(arrays)
         n = len(self.kv.k)
         for i in range(n):
-            self.layers[i].kc = host_view(self.kv.k[i]).ctypes.data
-            self.layers[i].vc = host_view(self.kv.v[i]).ctypes.data
+            k, v = self.kv.k[i], self.kv.v[i]
+            assert k is not None and v is not None  # a uniform KV shape: every layer stores its own
+            self.layers[i].kc = host_view(k).ctypes.data
+            self.layers[i].vc = host_view(v).ctypes.data
         self._cache_arrays = arrays
 
-    def hidden_states(self, tokens: mx.array, meta: AttentionMetadata) -> mx.array:
-        """tokens: [T] -> final-norm hidden states [T, hidden]."""
-        from engine.models.weights import CpuEmbedding
+    @overload
+    def hidden_states(self, tokens: mx.array, meta: AttentionMetadata) -> mx.array: ...
 
+    @overload
+    def hidden_states(self, tokens: mx.array, meta: AttentionMetadata, *,
+                      aux_layers: tuple[int, ...]) -> tuple[mx.array, mx.array]: ...
+
+    def hidden_states(self, tokens: mx.array, meta: AttentionMetadata, *,
+                      aux_layers: tuple[int, ...] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+        """tokens: [T] -> final-norm hidden states [T, hidden]; with `aux_layers`, also adapter.hidden_states'
+        aux states: the residual stream entering each layer, float32 [T, n_aux * hidden], ascending."""
         self._bind_cache()
         inner = self.model.model
         embed = inner.embed_tokens
@@ -185,12 +191,21 @@ class CpuLayerStack:
         host = meta.host()
         slots = np.asarray(meta.slot_mapping, dtype=np.int32)
         t = h.shape[0]
-        rc = self.lib.layers_forward(ctypes.byref(self.stack), t, h.ctypes.data, host.positions.ctypes.data,
-                                   slots.ctypes.data, host.token_table.ctypes.data, host.tables.ctypes.data,
-                                   host.block_size, host.max_context, cpu_threads().count())
+        args = (ctypes.byref(self.stack), t, h.ctypes.data, host.positions.ctypes.data, slots.ctypes.data,
+                host.token_table.ctypes.data, host.tables.ctypes.data, host.block_size, host.max_context,
+                cpu_threads().count())
+        ids = [] if aux_layers is None else aux_order(aux_layers, self.stack.num_layers)
+        aux = np.empty((t, len(ids), h.shape[1]), np.float32)
+        if ids:  # the C call copies the stream into aux[:, slot[l]] as it enters layer l
+            slot = np.full(self.stack.num_layers + 1, -1, np.int32)
+            slot[ids] = np.arange(len(ids), dtype=np.int32)
+            rc = self.lib.layers_forward_aux(*args, aux.ctypes.data, slot.ctypes.data, len(ids))
+        else:
+            rc = self.lib.layers_forward(*args)
         if rc != 0:
             raise (MemoryError if rc == -1 else ValueError)(f"layers_forward failed ({rc})")
-        return mx.array(h) if self.final_norm else inner.norm(mx.array(h))
+        out = mx.array(h) if self.final_norm else inner.norm(mx.array(h))
+        return out if aux_layers is None else (out, mx.array(aux.reshape(t, -1)))
 
 
 def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],

@@ -1,10 +1,5 @@
-"""Build and call `qgemm.c`: the small-M GEMM over float32 / bf16 / fp16 / MLX affine 8- and 4-bit weights.
-
-Runs between MLX graphs like the C attention: the activations are evaluated, read through a zero-copy
-view, and the product comes back as a new array. Weights are read in place from the MLX arrays that
-hold them (views taken once, in `PackedWeights`). Used where MLX runs on a CPU with a kernel ISA
-(engine/cpu/build.py); elsewhere MLX's own quantized matmul runs (Metal keeps its fast kernels).
-"""
+"""Build and call `qgemm.c`, the small-M GEMM over float32 / bf16 / fp16 / MLX affine 8- and 4-bit weights,
+between MLX graphs on a CPU with a kernel ISA (docs/cpu-backend.md); elsewhere MLX's own matmuls run."""
 
 from __future__ import annotations
 
@@ -26,9 +21,8 @@ MAX_GROUPS = 1024  # qgemm.c: groups per weight row
 _SCALE_DTYPES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 
-# Where `--activation-precision auto` takes 8-bit activations: the ISAs whose int8 kernel beats their float
-# 4-bit kernel (docs/cpu-backend.md). AVX-512's float kernel reads each nibble's value from a lane-permute
-# table and stays ahead; NEON's integer dot products are plain C lanes.
+# Where `--activation-precision auto` takes 8-bit activations: the ISAs whose int8 kernel beats their 4-bit
+# float kernel (docs/cpu-backend.md).
 INT8_AUTO_ISAS = frozenset({"avx2"})
 
 
@@ -98,13 +92,12 @@ class PackedWeights:
         return self.group % step == 0 and self.k % self.group == 0 and self.k // self.group <= MAX_GROUPS
 
     def int8_serves(self) -> bool:
-        """Whether the int8-activation kernel reads these weights (qgemm.c's i8_serves: 4-bit, groups of
-        32 times a power of two)."""
+        """Whether the int8-activation kernel reads these weights (4-bit, groups of 32 x a power of two)."""
         blocks = self.group // 32
         return self.fmt == "q4" and self.supported() and blocks & (blocks - 1) == 0
 
     def pointers(self) -> tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]:
-        """Weights, scales, biases as the kernel takes them (float formats: the weights thrice, unread)."""
+        """Weights, scales, biases as the kernel takes them (floats: the weights thrice, unread)."""
         w = self.views[0]
         return pointer(w), pointer(self.views[1] if len(self.views) > 1 else w), \
             pointer(self.views[2] if len(self.views) > 2 else w)
@@ -112,8 +105,8 @@ class PackedWeights:
 
 def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0, isa: str | None = None,
                int8: bool = False) -> np.ndarray:
-    """x: [M, K] float32 (row-contiguous) -> [M, N] float32. `int8`: each row of x quantized to 8 bits
-    per 32 values and dotted in integers (4-bit weights only: `int8_serves`)."""
+    """x: [M, K] float32 (row-contiguous) -> [M, N] float32. `int8`: rows of x quantized to 8 bits per 32
+    values (4-bit weights only)."""
     m = x.shape[0]
     out = np.empty((m, pw.n), dtype=np.float32)
     fn = _lib(isa).qgemm_i8 if int8 else _lib(isa).qgemm
@@ -142,5 +135,5 @@ def qgemm(x: mx.array, pw: PackedWeights) -> mx.array:
         return mx.zeros((*lead, pw.n), dtype=mx.float32)
     x2 = mx.contiguous(x.reshape(-1, pw.k).astype(mx.float32))
     mx.eval(x2)
-    host = np.asarray(memoryview(x2))
+    host = np.asarray(memoryview(x2))  # type: ignore[arg-type]  # stub lacks the buffer protocol
     return mx.array(qgemm_host(host, pw, cpu_threads().count(), int8=pw.int8)).reshape(*lead, pw.n)

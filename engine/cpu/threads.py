@@ -1,11 +1,5 @@
-"""How many threads the C kernels use: a fixed count (`--cpu-threads`), or the CPUs that no other process
-is busy on, re-read from /proc/stat at most every quarter second.
-
-Why: the kernels split each step between threads that meet at ~240 barriers a step. Beside a busy
-neighbour one of them shares its core and waits a scheduler time slice at every barrier, and a step took
-10-20x as long; on the CPUs left free the step runs at a fair share instead (docs/performance.md).
-Thread counts never change results: every kernel gives the same bits for any thread split.
-"""
+"""How many threads the C kernels use: `--cpu-threads`, or the CPUs no other process is busy on, re-read
+from /proc/stat at most every quarter second (docs/cpu-backend.md#threads-beside-other-processes)."""
 
 from __future__ import annotations
 
@@ -30,14 +24,13 @@ def usable_cpus() -> int:
 
 
 def _busy_seconds(count_nice: bool) -> float | None:
-    """CPU time the processes have used (all CPUs, seconds), or None where /proc/stat is missing. Niced
-    processes' user time counts only when `count_nice` (this process is niced itself): a niced neighbour
-    yields its core to our threads as soon as they wake, so it costs no barrier a time slice."""
+    """CPU seconds used by all processes, or None without /proc/stat. Niced user time counts only when
+    `count_nice`: a niced neighbour yields its core to our threads at once."""
     try:
         fields = _STAT.read_text().split("\n", 1)[0].split()
     except OSError:
         return None
-    # user nice system idle iowait irq softirq steal ...: not idle or iowait (steal: taken by the host)
+    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
     ticks = user + system + irq + softirq + steal + (nice if count_nice else 0)
     return ticks / os.sysconf("SC_CLK_TCK")
@@ -78,8 +71,7 @@ class CpuThreads:
         own = _own_seconds()
         last, self._last = self._last, (now, busy, own)
         if last is None or now - last[0] > STALE_S:
-            # After idle time the load then says nothing about now (another server that decoded while
-            # this one waited): start again from all CPUs, and measure afresh.
+            # After idle time the load says nothing about now: start again from all CPUs.
             self._others = 0.0
             self.set_count(self.cpus)
             return
@@ -87,7 +79,7 @@ class CpuThreads:
             return
         others = max(0.0, ((busy - last[1]) - (own - last[2])) / (now - last[0]))
         self._others = 0.5 * self._others + 0.5 * others
-        # A CPU goes to the others once they keep ~0.6 of one busy (two windows of a busy neighbour).
+        # A CPU goes to the others once they keep ~0.6 of one busy.
         self.set_count(max(1, self.cpus - int(self._others + 0.4)))
 
     def set_count(self, n: int) -> None:

@@ -1,12 +1,5 @@
-"""Array-free paged-KV bookkeeping: a block pool with LRU eviction and prefix caching.
-
-Blocks hold `block_size` token slots. A full block whose tokens are all confirmed (computed and
-accepted, never draft tokens) gets a chained hash `hash((parent_hash, tokens))` and can be shared by
-later requests with the same prefix. A request's `cache_salt` (vLLM's) joins its first block's
-hash, so requests with different salts (or one salted, one not) share no block. Freed blocks keep
-their hash and sit in the free queue until they are reused, so a hit can revive them (vLLM v1's lazy
-eviction). Failure to allocate is a return value (`False`); the scheduler decides whom to preempt.
-"""
+"""Array-free paged-KV bookkeeping: a block pool with LRU eviction and prefix caching (chained hashes of full
+confirmed blocks, salted by `cache_salt`). Failing to allocate is a return value: the scheduler preempts."""
 
 from __future__ import annotations
 
@@ -20,17 +13,15 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    # What a hashed block's hash covers, compared on every hit: confirmed tokens, the previous block's
-    # hash, and the salt of a request's first block.
+    # What a block's hash covers, compared on every hit: tokens, the previous block's hash, the salt.
     token_ids: tuple[int, ...] = ()
     parent_hash: int | None = None
     cache_salt: str | None = None
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-    # Every hit is also confirmed by comparing what the hash covers, so collisions cannot corrupt
-    # outputs nor cross salts. The salt goes into the first block only (as in vLLM): later blocks
-    # chain from it.
+    # Comparing what the hash covers on every hit: collisions cannot corrupt outputs nor cross salts. The
+    # salt goes into the first block only (as in vLLM).
     if cache_salt is None:
         return hash((parent_hash, tuple(token_ids)))
     return hash((parent_hash, tuple(token_ids), cache_salt))
@@ -90,7 +81,7 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
-        # Callers pass blocks tail-first so that a prompt's later blocks are evicted before its prefix.
+        # Tail-first, so a prompt's later blocks are evicted before its prefix.
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"double free of block {block_id}"
@@ -112,7 +103,7 @@ class BlockPool:
 @dataclass(slots=True)
 class _ReqBlocks:
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full, confirmed blocks
+    block_hashes: list[int] = field(default_factory=list)  # of the leading full, confirmed blocks
 
 
 class KVCacheManager:
@@ -134,8 +125,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
                             cache_salt: str | None = None) -> tuple[list[int], int]:
-        """Longest cached prefix of `token_ids` under `cache_salt` in whole blocks; the last token is
-        always recomputed so the step that follows produces logits."""
+        """Longest cached prefix of `token_ids` under `cache_salt` in whole blocks; the last token is always
+        recomputed (its step produces logits)."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
@@ -163,8 +154,8 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         new_computed_blocks: Sequence[int] = (),
     ) -> bool:
-        """Ensure slots for `num_computed + num_new + lookahead` tokens. On a new request,
-        `new_computed_blocks` are the prefix-cache hits covering `num_computed_tokens`."""
+        """Ensure slots for `num_computed + num_new + lookahead` tokens; a new request's
+        `new_computed_blocks` are its prefix-cache hits."""
         rb = self._reqs.get(request_id)
         if rb is None:
             rb = _ReqBlocks()
@@ -195,8 +186,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_confirmed: int,
                           cache_salt: str | None = None) -> None:
-        """Hash every full block whose tokens are all confirmed (`token_ids[:num_confirmed]`), the
-        first one under the request's `cache_salt`."""
+        """Hash every full block of confirmed tokens (`token_ids[:num_confirmed]`)."""
         if not self.enable_prefix_caching:
             return
         rb = self._reqs[request_id]

@@ -1,15 +1,5 @@
-"""The paged KV tensors: per layer, flat over slots (block * block_size + offset), so that slot writes
-update the array in place (MLX donates a buffer whose only owner is the scatter). Two layouts:
-- block-major `[num_blocks * block_size, num_kv_heads, head_dim]` (a free reshape of `[num_blocks,
-  block_size, num_kv_heads, head_dim]`): what the Metal kernels read;
-- head-major `[num_kv_heads, num_blocks * block_size, head_dim]`, the default on the CPU: gathering a
-  group's blocks head by head lands directly in the layout attention takes, where the block-major gather
-  needs a second, transposing copy (docs/cpu-backend.md).
-
-Each layer has its own (KV heads, head size): Gemma4's full-attention layers are wider than its sliding
-ones. A layer that reuses another's KV (Gemma4's KV-shared layers) has no tensors. One block table serves
-every layer, so the block manager counts blocks and this class turns a block into bytes.
-"""
+"""The paged KV tensors, per layer and flat over slots so that writes update in place: head-major on the CPU,
+block-major for the Metal kernels; one block table serves every layer (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +15,8 @@ def uniform_shape(shapes: list[KVShape | None]) -> KVShape | None:
 
 
 def head_major_default(layout: str = "auto") -> bool:
-    """`kv_layout`: `head` or `block` as asked; `auto` is head-major where it pays (the CPU): the Metal
-    kernels read block-major, and a CUDA device keeps the layout its numbers were taken with."""
+    """`kv_layout`: `head` or `block`; `auto` is head-major on the CPU (the Metal kernels read block-major,
+    CUDA keeps the layout its numbers were taken with)."""
     if layout in ("block", "head"):
         return layout == "head"
     return not mx.metal.is_available() and mx.default_device() == mx.cpu
@@ -35,7 +25,7 @@ def head_major_default(layout: str = "auto") -> bool:
 class PagedKVCache:
     def __init__(self, shapes: list[KVShape | None], num_blocks: int, block_size: int, dtype: mx.Dtype,
                  head_major: bool | None = None) -> None:
-        """`shapes`: per layer, the (KV heads, head size) it stores, or None for a layer that stores none."""
+        """`shapes`: per layer, the (KV heads, head size) it stores (None: none)."""
         self.shapes = list(shapes)
         self.num_layers = len(self.shapes)
         self.num_blocks = num_blocks
@@ -84,8 +74,7 @@ class PagedKVCache:
             vc[slots] = v.astype(self.dtype)
 
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
-        """What attention reads: head-major `[Hkv, slots, D]` as stored, or block-major
-        `[num_blocks, block_size, Hkv, D]` (attention tells them apart by their number of axes)."""
+        """What attention reads: head-major `[Hkv, slots, D]` or block-major `[blocks, bs, Hkv, D]`."""
         k, v = self._tensors(layer)
         if self.head_major:
             return k, v

@@ -1,14 +1,6 @@
-"""Run mlx-lm model classes unchanged over the paged KV cache.
-
-The whole step is one flat batch of T tokens laid out as `[T, 1, hidden]`: every linear layer sees
-the same matmul as `[1, T, hidden]`, while RoPE gets a per-token `offset` array of shape [T] (MLX's
-rope takes one offset per batch row). A step with a single request (single-stream decode, draft
-verification, one prefill chunk) uses the model's usual `[1, T, hidden]` layout with an integer
-offset instead, which is cheaper for RoPE and attention. Each layer's `cache` is a `PagedLayerCache`: mlx-lm's
-attention calls `rope(x, offset=cache.offset)`, `cache.update_and_fetch(k, v)` (we write the new
-rows into their slots) and the model module's `scaled_dot_product_attention(..., cache=cache)`,
-which we route to paged attention. No model code is forked.
-"""
+"""Run mlx-lm model classes unchanged over the paged KV cache: a step is one flat batch `[T, 1, hidden]` (one
+request: `[1, T, hidden]`) and each layer's `cache` a `PagedLayerCache` that writes the new rows and routes
+attention to paged attention."""
 
 from __future__ import annotations
 
@@ -16,7 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,9 +21,8 @@ _PATCHED_ATTR = "_specserve_paged"
 
 
 class PagedLayerCache:
-    """One model layer's view of the paged KV: `layer` is the KV layer it reads, which is its own unless
-    the model reuses another layer's KV (then `writes` is False and the rows mlx-lm passes in are the
-    source layer's, already written)."""
+    """One model layer's view of the paged KV: `layer` is the KV layer it reads (another one's when the
+    model shares KV: then `writes` is False)."""
 
     def __init__(self, kv: PagedKVCache, layer: int, window: int | None, writes: bool = True) -> None:
         self.kv = kv
@@ -92,17 +83,15 @@ def _dispatching_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.arr
 
 @partial(mx.compile, shapeless=True)
 def swiglu_pow2(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x with the exponential taken as a power of two: MLX's CPU `sigmoid` costs several
-    times this per element, and every verified draft adds a row of SiLU to the step (figures:
+    """silu(gate) * x with a power-of-two exponential (MLX's CPU `sigmoid` is several times dearer;
     docs/design-notes.md). Agrees with mlx-lm's to ~5e-7 relative."""
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
 
 
 def install(model: nn.Module) -> None:
-    """Route the model module's attention through `PagedLayerCache` when one is passed, and on the
-    CPU its SwiGLU through `swiglu_pow2`. Both are the model module's own globals, so mlx-lm's code
-    (and anything else running the module in this process) sees the same functions."""
-    mod = sys.modules[type(model).__module__]
+    """Route the model module's attention through `PagedLayerCache` when one is passed, and on the CPU its
+    SwiGLU through `swiglu_pow2`: both are module globals, so everything running the module sees them."""
+    mod: Any = sys.modules[type(model).__module__]
     fn = getattr(mod, "scaled_dot_product_attention", None)
     if fn is None:
         raise ValueError(
@@ -110,7 +99,7 @@ def install(model: nn.Module) -> None:
             "its architecture is not supported on the paged cache")
     if not getattr(fn, _PATCHED_ATTR, False):
         mod.scaled_dot_product_attention = _dispatching_sdpa(fn)
-    from mlx_lm.models.activations import swiglu
+    from mlx_lm.models.activations import swiglu  # mlx_lm loads transformers (~2 s)
 
     if getattr(mod, "swiglu", None) is swiglu and mx.default_device() == mx.cpu:
         mod.swiglu = swiglu_pow2
@@ -118,9 +107,8 @@ def install(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Where each decoder layer's KV lives. Per model layer: `shapes` the (KV heads, head size) it stores
-    (None: it stores none), `sources` the layer whose KV its attention reads (itself unless it shares),
-    `windows` its sliding window (None: full attention)."""
+    """Where each decoder layer's KV lives, per model layer: `shapes` (KV heads, head size) it stores (None:
+    none), `sources` the layer whose KV it reads, `windows` its sliding window (None: full)."""
 
     shapes: list[KVShape | None]
     sources: list[int]
@@ -139,10 +127,9 @@ def _layer_kv_shape(model: nn.Module, attn: nn.Module) -> KVShape:
 
 
 def kv_layout(model: nn.Module) -> KVLayout:
-    """Per-layer KV shapes, sharing and sliding windows, read from the model as mlx-lm builds it: the
-    attention modules' sizes, Gemma4's `previous_kvs` (which earlier layer a KV-shared layer reads) and the
-    caches mlx-lm's `make_cache` would give the layers that store KV."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    """Per-layer KV shapes, sharing and windows as mlx-lm builds the model: attention sizes, Gemma4's
+    `previous_kvs` and the caches `make_cache` would give."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache  # mlx_lm loads transformers (~2 s)
 
     layers = list(model.layers)
     n = len(layers)
@@ -187,8 +174,8 @@ def layer_windows(model: nn.Module) -> list[int | None]:
 
 
 def kv_shape(model: nn.Module) -> KVShape:
-    """(num_kv_heads, head_dim), for code that needs one shape across layers (the C layer stack, trained
-    assistants): raises ValueError for a model whose layers differ or share KV."""
+    """(num_kv_heads, head_dim) for code that needs one shape (the C layer stack, trained assistants);
+    ValueError where layers differ or share KV."""
     shape = uniform_shape(kv_layout(model).shapes)
     if shape is None:
         raise ValueError("the model's layers have different KV shapes or share KV")
@@ -202,12 +189,73 @@ def make_caches(model: nn.Module, kv: PagedKVCache) -> list[PagedLayerCache]:
             for i, (src, w) in enumerate(zip(layout.sources, layout.windows, strict=True))]
 
 
-def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache]) -> mx.array:
-    """tokens: [T] -> final-norm hidden states [T, hidden]."""
-    if caches[0].meta is not None and caches[0].meta.single_request:
-        return model.model(tokens[None, :], cache=caches)[0]  # [1, T, hidden] -> [T, hidden]
-    h = model.model(tokens[:, None], cache=caches)  # [T, 1, hidden]
-    return h[:, 0, :]
+def aux_order(aux_layers: tuple[int, ...], num_layers: int) -> list[int]:
+    """The aux layer ids ascending (the aux columns' order, as vLLM gathers them); ValueError for a repeated
+    id or one outside [0, num_layers] (num_layers: the last layer's output, before the final norm)."""
+    ids = sorted(int(i) for i in aux_layers)
+    if len(set(ids)) != len(ids) or any(not 0 <= i <= num_layers for i in ids):
+        raise ValueError(f"aux layer ids {list(aux_layers)}: want distinct ids in [0, {num_layers}]")
+    return ids
+
+
+_TAP_ATTR = "_specserve_aux_tap"
+_TAPPED: dict[type, type] = {}
+
+
+def _tapped(cls: type) -> type:
+    """`cls` with a call that first hands its input to the instance's tap: swapped in as the instance's class,
+    so the model's own code (attribute reads, isinstance) sees the same module."""
+    sub = _TAPPED.get(cls)
+    if sub is None:
+        def __call__(self: Any, x: mx.array, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+            self.__dict__[_TAP_ATTR](x)
+            return cls.__call__(self, x, *args, **kwargs)
+
+        sub = _TAPPED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                                          "__qualname__": cls.__qualname__})
+    return sub
+
+
+@overload
+def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache]) -> mx.array: ...
+
+
+@overload
+def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache], *,
+                  aux_layers: tuple[int, ...]) -> tuple[mx.array, mx.array]: ...
+
+
+def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache], *,
+                  aux_layers: tuple[int, ...] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+    """tokens: [T] -> final-norm hidden states [T, hidden]. With `aux_layers` (see aux_order): also the
+    residual stream entering each of those layers, before any norm (HF's `hidden_states[i]`; id 0: the
+    embeddings), as [T, n_aux * hidden] in ascending layer order (EAGLE-3's features)."""
+    inner = model.model
+    single = caches[0].meta is not None and caches[0].meta.single_request
+    x = tokens[None, :] if single else tokens[:, None]  # [1, T] or [T, 1]: see the module docstring
+    if aux_layers is None:
+        h = inner(x, cache=caches)
+        return h[0] if single else h[:, 0, :]
+    layers = list(inner.layers)
+    ids = aux_order(aux_layers, len(layers))
+    mods = [layers[i] if i < len(layers) else inner.norm for i in ids]
+    classes = [type(m) for m in mods]
+    seen: list[mx.array | None] = [None] * len(ids)
+    try:
+        for j, m in enumerate(mods):
+            m.__dict__[_TAP_ATTR] = partial(seen.__setitem__, j)
+            m.__class__ = _tapped(classes[j])
+        h = inner(x, cache=caches)
+    finally:  # nothing else sees the taps
+        for m, cls in reversed(list(zip(mods, classes, strict=True))):
+            m.__class__ = cls
+            m.__dict__.pop(_TAP_ATTR, None)
+    h = h[0] if single else h[:, 0, :]
+    if any(a is None for a in seen):
+        raise RuntimeError(f"the model did not call every asked layer ({ids})")
+    rows = [a.reshape(-1, a.shape[-1]) for a in seen if a is not None]  # [T, 1, D] or [1, T, D] -> [T, D]
+    aux = mx.concatenate(rows, axis=-1) if rows else mx.zeros((h.shape[0], 0), h.dtype)
+    return h, aux
 
 
 def compute_logits(model: nn.Module, h: mx.array) -> mx.array:

@@ -1,16 +1,6 @@
-"""Convert a llama, qwen2, qwen3, gemma3 or gemma4 GGUF file into an MLX (mlx-lm / Hugging Face style)
-model folder.
-
-The file is read by engine/models/gguf_file.py: Q4_0 / Q4_1 / Q8_0 tensors as MLX affine-quantized
-triples (`.weight` uint32, `.scales` / `.biases` float16, group size 32), F32 / F16 / BF16 as stored,
-every other type dequantized to float32.
-
-This module renames the tensors to the Hugging Face layout of the family, undoes llama.cpp's Q/K row
-permutation (llama only: llama.cpp's converter permutes nothing for the NeoX-RoPE qwen and gemma
-families) and the +1 it adds to gemma3's norm weights, and rebuilds config.json and a `tokenizers`
-tokenizer.json from the GGUF metadata. Metadata keys and each architecture's tensor list come from the
-`gguf` package's tables (the ones llama.cpp's own converter writes with).
-"""
+"""Convert a llama, qwen2, qwen3, gemma3 or gemma4 GGUF file into an mlx-lm / Hugging Face style folder:
+tensors renamed, llama.cpp's Q/K permutation and gemma3's norm +1 undone, config and tokenizer rebuilt from
+the metadata (what is supported: docs/http-api.md)."""
 
 from __future__ import annotations
 
@@ -29,11 +19,13 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from engine.models.gguf_file import GGML_GROUP_SIZE, dense, model_dtype, read_file, tensor_arrays
+from engine.cpu.host import float_list
+from engine.models.gguf_file import GGML_GROUP_SIZE, dense, model_dtype, py_value, read_file, tensor_arrays
+from engine.models.gguf_tokenizer import build_tokenizer, stop_ids
 
 # Written last into a converted folder; a folder without it is not a finished conversion.
 MARKER_NAME = ".gguf-conversion-complete"
-# Bumped when the output changes: now types MLX cannot read exactly (Q5_0, the K-quants) are float32.
+# Bumped when the output changes.
 _FORMAT_VERSION = 2
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -50,8 +42,7 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# Gemma's names where they differ from llama's: a norm after attention and one each side of the MLP,
-# Gemma4's per-layer inputs and layer scalar.
+# Gemma's names where they differ from llama's.
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
@@ -78,7 +69,7 @@ class _Arch:
     permuted_qk: bool  # llama.cpp permuted Q/K rows (llama's RoPE layout)
     layer_names: dict[str, str]
     top_names: dict[str, str]
-    norm_shift: float = 0.0  # llama.cpp stored norm weight + this (Gemma3's RMSNorm scales by 1 + w)
+    norm_shift: float = 0.0  # llama.cpp stored norm weight + this (Gemma3 scales by 1 + w)
 
 
 _ARCHS = {
@@ -89,20 +80,7 @@ _ARCHS = {
     "gemma4": _Arch("Gemma4ForCausalLM", "gemma4_text", False, _GEMMA_LAYER_NAMES, _GEMMA_TOP_NAMES),
 }
 
-# tokenizer.ggml.pre -> pre-tokenizer family (llama.cpp's llama-vocab.cpp groups them the same way).
-_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_PRE = {"llama-bpe", "llama3", "smaug-bpe", "falcon3", "dbrx"}
-_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"}
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
-
 _DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
-
-# tokenizer.ggml.token_type values.
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED = 1, 2, 3, 4
 
 
 @dataclass
@@ -116,26 +94,16 @@ class GGUFModel:
 
 
 def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
-    """Undo llama.cpp's Q/K permutation `reshape(n_head, 2, r, ...).swapaxes(1, 2)`.
-
-    Works on float weights, 1-D biases and each part of a quantized triple: the permutation moves
-    whole output rows while quantization packs along the input dim, so the two commute.
-    """
+    """Undo llama.cpp's Q/K permutation `reshape(n_head, 2, r, ...).swapaxes(1, 2)`; it moves whole output
+    rows, so it commutes with quantization (packed along the input dim)."""
     rows = w.shape[0]
     if rows % (2 * n_head):
         raise ValueError(f"{rows} rows cannot be split into {n_head} heads of rotary pairs")
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _py(value: Any) -> Any:
-    # Numeric metadata arrays arrive as numpy arrays, scalars as Python values.
-    if isinstance(value, np.ndarray):
-        return value.item() if value.ndim == 0 else value.tolist()
-    return value
-
-
 def _f32(value: float) -> float:
-    # Shortest decimal that round-trips the float32 GGUF value (1e-05, not 9.99999974e-06).
+    # Shortest decimal that round-trips the float32 value (1e-05, not 9.99999974e-06).
     return float(str(np.float32(value)))
 
 
@@ -179,7 +147,7 @@ def _llama3_rope_scaling(factors: list[float], theta: float, head_dim: int, md: 
                          arch: str = "llama") -> dict[str, Any]:
     """Recover HF's llama3 rope_scaling from the rope_freqs tensor llama.cpp derived from it."""
     factor = max(factors)
-    orig = int(_py(md.get(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch), 8192)))
+    orig = int(py_value(md.get(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch), 8192)))
     for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
         expected = []
         for i in range(0, head_dim, 2):
@@ -204,7 +172,7 @@ class _Meta:
         self.md, self.arch = md, arch
 
     def get(self, key: str, default: Any = None) -> Any:
-        value = _py(self.md.get(f"{self.arch}.{key}", default))
+        value = py_value(self.md.get(f"{self.arch}.{key}", default))
         if value is None:
             raise ValueError(f"GGUF metadata lacks {self.arch}.{key}")
         return value
@@ -253,9 +221,9 @@ def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: 
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in weights,
         "hidden_act": "silu",
     }
-    scaling = _py(md.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch)))
+    scaling = py_value(md.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch)))
     if rope_freqs is not None:
-        config["rope_scaling"] = _llama3_rope_scaling(rope_freqs.tolist(), theta, head_dim, md, arch)
+        config["rope_scaling"] = _llama3_rope_scaling(float_list(rope_freqs), theta, head_dim, md, arch)
     elif scaling in ("linear", "yarn"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
         if scaling == "yarn":
@@ -267,9 +235,8 @@ def _build_config(md: dict[str, Any], weights: dict[str, mx.array], rope_freqs: 
 
 
 def _gemma_config(meta: _Meta, weights: dict[str, mx.array], rope_freqs: mx.array | None) -> dict:
-    """gemma3 / gemma4 metadata as llama.cpp's converter writes it, as mlx-lm's config. What the file does
-    not say is what llama.cpp itself assumes: gemma3's every sixth layer global, its attention scaled by
-    the head size (by hidden / heads for the 62-layer 27B), GELU-tanh MLPs."""
+    """gemma3 / gemma4 metadata as mlx-lm's config, with what llama.cpp assumes where the file is silent
+    (gemma3: every sixth layer global, attention scaled by the head size, GELU-tanh MLPs)."""
     get = meta.get
     n = int(get("block_count"))
     hidden, n_head = int(get("embedding_length")), int(meta.scalar("attention.head_count"))
@@ -286,27 +253,39 @@ def _gemma_config(meta: _Meta, weights: dict[str, mx.array], rope_freqs: mx.arra
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": int(get("attention.sliding_window")),
     }
-    if (cap := _py(meta.md.get(f"{meta.arch}.final_logit_softcapping"))) is not None:
+    if (cap := py_value(meta.md.get(f"{meta.arch}.final_logit_softcapping"))) is not None:
         config["final_logit_softcapping"] = _f32(cap)
     theta, theta_swa = _f32(get("rope.freq_base", 1_000_000.0)), _f32(get("rope.freq_base_swa", 10_000.0))
     if meta.arch == "gemma3":
-        head_dim = int(get("attention.key_length"))
-        config.update(
-            intermediate_size=int(meta.scalar("feed_forward_length")),
-            num_key_value_heads=int(meta.scalar("attention.head_count_kv", n_head)), head_dim=head_dim,
-            query_pre_attn_scalar=hidden // n_head if n == 62 else head_dim, sliding_window_pattern=6,
-            rope_theta=theta, rope_local_base_freq=theta_swa)
-        scaling = _py(meta.md.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=meta.arch)))
-        if scaling == "linear":
-            config["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
-        elif scaling not in (None, "none"):
-            raise NotImplementedError(f"rope scaling {scaling!r} is not supported for gemma3")
-        return config
-    # gemma4: per-layer attention type, head size, KV heads and MLP width.
+        _gemma3_config(meta, config, theta, theta_swa)
+    else:
+        _gemma4_config(meta, config, weights, rope_freqs, theta, theta_swa)
+    return config
+
+
+def _gemma3_config(meta: _Meta, config: dict[str, Any], theta: float, theta_swa: float) -> None:
+    get, n_head, hidden = meta.get, config["num_attention_heads"], config["hidden_size"]
+    head_dim = int(get("attention.key_length"))
+    config.update(
+        intermediate_size=int(meta.scalar("feed_forward_length")),
+        num_key_value_heads=int(meta.scalar("attention.head_count_kv", n_head)), head_dim=head_dim,
+        query_pre_attn_scalar=hidden // n_head if config["num_hidden_layers"] == 62 else head_dim,
+        sliding_window_pattern=6, rope_theta=theta, rope_local_base_freq=theta_swa)
+    scaling = py_value(meta.md.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=meta.arch)))
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise NotImplementedError(f"rope scaling {scaling!r} is not supported for gemma3")
+
+
+def _gemma4_config(meta: _Meta, config: dict[str, Any], weights: dict[str, mx.array],
+                   rope_freqs: mx.array | None, theta: float, theta_swa: float) -> None:
+    """gemma4's per-layer attention type, head size, KV heads and MLP width."""
+    get, n = meta.get, config["num_hidden_layers"]
     sliding = [bool(x) for x in meta.per_layer("attention.sliding_window_pattern", n)]
     shared = int(get("attention.shared_kv_layers", 0))
     first_shared = n - shared
-    kv = [int(x) for x in meta.per_layer("attention.head_count_kv", n, n_head)]
+    kv = [int(x) for x in meta.per_layer("attention.head_count_kv", n, config["num_attention_heads"])]
     ffn = [int(x) for x in meta.per_layer("feed_forward_length", n)]
     head_dim, global_head_dim = int(get("attention.key_length_swa")), int(get("attention.key_length"))
     kv_swa = {k for k, s in zip(kv, sliding, strict=True) if s} or set(kv)
@@ -344,167 +323,10 @@ def _gemma_config(meta: _Meta, weights: dict[str, mx.array], rope_freqs: mx.arra
         config["num_global_key_value_heads"] = full_kv
     if per_layer:
         config["vocab_size_per_layer_input"] = int(weights["model.embed_tokens_per_layer.weight"].shape[0])
-    return config
 
 
-def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
-    # llama.cpp marks HF "special" added tokens CONTROL and non-special added tokens USER_DEFINED.
-    return [
-        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": types[i] != _TT_USER_DEFINED}
-        for i in range(len(tokens)) if types[i] in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED)
-    ]
-
-
-def _gpt2_parts(md: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
-
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
-    model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False)
-    pre = _py(md.get("tokenizer.ggml.pre", "default"))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    normalizer = None
-    if pre in _DIGIT_SPLIT_PRE:
-        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
-        regex = _LLAMA3_REGEX if pre in _LLAMA3_PRE else _QWEN2_REGEX
-        pre_tok = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-        normalizer = normalizers.NFC() if pre in _QWEN2_PRE else None
-    else:
-        # "default" / "gpt-2" and anything unknown: GPT-2's own regex.
-        pre_tok = byte_level
-    return model, normalizer, pre_tok, decoders.ByteLevel()
-
-
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """Derive BPE merges from sentencepiece scores, as HF's SentencePieceExtractor does."""
-    vocab = {t: i for i, t in enumerate(tokens) if types[i] == _TT_NORMAL}
-    merges: list[tuple[float, int, int, str, str]] = []
-    for piece, pid in vocab.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                merges.append((-scores[pid], vocab[left], vocab[right], left, right))
-    merges.sort()  # highest score merges first; ties by the parts' ids
-    return [(left, right) for *_, left, right in merges]
-
-
-def _spm_parts(md: dict[str, Any], types: list[int]) -> tuple[Any, Any, Any, Any]:
-    from tokenizers import decoders, models, normalizers
-
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
-    scores = _py(md.get("tokenizer.ggml.scores")) or [-float(i) for i in range(len(tokens))]
-    if "tokenizer.ggml.merges" in md:
-        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-    else:
-        merges = _spm_merges(tokens, scores, types)
-    unk = next((tokens[i] for i, t in enumerate(types) if t == _TT_UNKNOWN), None)
-    model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token=unk,
-                       fuse_unk=True, byte_fallback=True)
-    # llama.cpp prefixes a space to every text fragment that follows a special token, like HF's
-    # legacy Llama tokenizer.json, so a per-segment normalizer matches it.
-    add_space = bool(_py(md.get("tokenizer.ggml.add_space_prefix", True)))
-    norms = [normalizers.Prepend("▁")] if add_space else []
-    normalizer = normalizers.Sequence([*norms, normalizers.Replace(" ", "▁")])
-    decs = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space:
-        decs.append(decoders.Strip(" ", 1, 0))
-    return model, normalizer, None, decoders.Sequence(decs)
-
-
-def _build_tokenizer(md: dict[str, Any], context_length: int) -> tuple[dict, dict, dict]:
-    from tokenizers import AddedToken, Tokenizer, processors
-
-    kind = _py(md.get("tokenizer.ggml.model"))
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
-    types = _py(md.get("tokenizer.ggml.token_type")) or [_TT_NORMAL] * len(tokens)
-    if kind == "gpt2":
-        model, normalizer, pre_tok, decoder = _gpt2_parts(md)
-    elif kind in ("llama", "gemma4"):  # gemma4: sentencepiece-style BPE with its merges, no prefix space
-        model, normalizer, pre_tok, decoder = _spm_parts(md, types)
-    else:
-        raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported "
-                                  "(only gpt2, llama and gemma4)")
-
-    def special(key: str) -> str | None:
-        idx = _py(md.get(f"tokenizer.ggml.{key}_token_id"))
-        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-    bos, eos, pad, unk = special("bos"), special("eos"), special("padding"), special("unknown")
-    add_bos = bool(_py(md.get("tokenizer.ggml.add_bos_token", kind == "llama")))
-    add_eos = bool(_py(md.get("tokenizer.ggml.add_eos_token", False)))
-
-    tok = Tokenizer(model)
-    tok.normalizer = normalizer
-    tok.pre_tokenizer = pre_tok
-    tok.decoder = decoder
-    added = _added_tokens(tokens, types)
-    tok.add_tokens([AddedToken(a["content"], special=a["special"], normalized=False) for a in added])
-    head = [bos] if add_bos and bos else []
-    tail = [eos] if add_eos and eos else []
-    if head or tail:
-        def template(seq: str, type_id: int) -> list[str]:
-            return [f"{t}:{type_id}" for t in head] + [f"${seq}:{type_id}"] + [f"{t}:{type_id}" for t in tail]
-
-        tok.post_processor = processors.TemplateProcessing(
-            single=template("A", 0), pair=template("A", 0) + template("B", 1),
-            special_tokens=[(t, tokens.index(t)) for t in {*head, *tail}])
-    elif kind == "gpt2":
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer_json = json.loads(tok.to_str())
-    # add_tokens() re-adds tokens already in the vocab under their ids; assert nothing shifted.
-    got = {a["content"]: a["id"] for a in tokenizer_json["added_tokens"]}
-    if any(got.get(a["content"]) != a["id"] for a in added):
-        raise ValueError("added tokens did not keep their GGUF ids")
-
-    tokenizer_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": pad,
-        "unk_token": unk,
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context_length,
-    }
-    if template := _py(md.get("tokenizer.chat_template")):
-        tokenizer_config["chat_template"] = template
-    special_map = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad),
-                                     ("unk_token", unk)) if v is not None}
-    return tokenizer_json, tokenizer_config, special_map
-
-
-def _stop_ids(md: dict[str, Any]) -> list[int]:
-    # Chat models often end turns with EOT (e.g. <|eot_id|>) rather than EOS; stop on both.
-    ids = [_py(md.get(f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")]
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | None = None) -> GGUFModel:
-    """Read a GGUF of a family above into HF/mlx-lm named weights plus config and tokenizer files.
-
-    `dtype` casts every float tensor, quantization scales/biases included; None picks one by
-    `model_dtype`. (On MLX's CPU backend float32 quantized matmuls are far faster than float16 ones.)
-    """
-    md, tensors = read_file(Path(path))
-    arch = _py(md.get(gguf.Keys.General.ARCHITECTURE))
-    if arch not in _ARCHS:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only {', '.join(_ARCHS)})")
-    family = _ARCHS[arch]
-    if _py(md.get(f"{arch}.expert_count")):
-        raise NotImplementedError(f"GGUF {arch}: mixture-of-experts files are not supported")
-    n_layers = int(_py(md[gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)]))
-    n_head = _py(md[gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)])
-    n_kv = _py(md.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_head))
-    heads = {"attn_q": n_head, "attn_k": n_kv} if family.permuted_qk else {}
-    heads = {k: int(v[0] if isinstance(v, list) else v) for k, v in heads.items()}
-
-    # Expected: the architecture's block tensors (gguf's table) that every layer of these families has.
+def _check_tensors(tensors: dict[str, Any], arch: str, n_layers: int) -> None:
+    """Refuse a file without the block tensors every layer of these families has."""
     bases = {n.rsplit(".", 1)[0] for n in tensors}
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     block = [gguf.TENSOR_NAMES[t].split(".")[-1] for t in gguf.MODEL_TENSORS[arch_enum]
@@ -514,6 +336,24 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
     if missing := sorted(expected - bases):
         raise ValueError(f"GGUF lacks tensors {missing[:5]}")
 
+
+def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | None = None) -> GGUFModel:
+    """Read a GGUF into HF/mlx-lm named weights plus config and tokenizer files. `dtype` casts every float
+    tensor, quantization scales included (None: by `model_dtype`)."""
+    md, tensors = read_file(Path(path))
+    arch = py_value(md.get(gguf.Keys.General.ARCHITECTURE))
+    if arch not in _ARCHS:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only {', '.join(_ARCHS)})")
+    family = _ARCHS[arch]
+    if py_value(md.get(f"{arch}.expert_count")):
+        raise NotImplementedError(f"GGUF {arch}: mixture-of-experts files are not supported")
+    n_layers = int(py_value(md[gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)]))
+    n_head = py_value(md[gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)])
+    n_kv = py_value(md.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_head))
+    heads = {"attn_q": n_head, "attn_k": n_kv} if family.permuted_qk else {}
+    heads = {k: int(v[0] if isinstance(v, list) else v) for k, v in heads.items()}
+
+    _check_tensors(tensors, arch, n_layers)
     rope_freqs = dense(tensors.pop("rope_freqs.weight")) if "rope_freqs.weight" in tensors else None
     if dtype is None:
         dtype = model_dtype({t.qtype for t in tensors.values()})
@@ -529,20 +369,20 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
                 w = w.astype(dtype)
             mx.eval(w)
             arrays[name] = w
-    # In the order of the arrays' GGUF names, as mx.load's were: a folder converted again is byte-identical.
+    # In GGUF name order, as mx.load's were: a folder converted again is byte-identical.
     weights = {_hf_name(name, family): arrays.pop(name) for name in sorted(arrays)}
 
     config = _build_config(md, weights, rope_freqs, arch)
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     if (quant := _quantization_config(weights)) is not None:
         config["quantization"] = quant
-    tokenizer_json, tokenizer_config, special_map = _build_tokenizer(md, config["max_position_embeddings"])
-    stops = _stop_ids(md)
-    bos_id = _py(md.get("tokenizer.ggml.bos_token_id"))
+    tokenizer_json, tokenizer_config, special_map = build_tokenizer(md, config["max_position_embeddings"])
+    stops = stop_ids(md)
+    bos_id = py_value(md.get("tokenizer.ggml.bos_token_id"))
     config["bos_token_id"] = None if bos_id is None else int(bos_id)
     config["eos_token_id"] = stops[0] if len(stops) == 1 else (stops or None)
     generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    if (pad_id := _py(md.get("tokenizer.ggml.padding_token_id"))) is not None:
+    if (pad_id := py_value(md.get("tokenizer.ggml.padding_token_id"))) is not None:
         generation_config["pad_token_id"] = int(pad_id)
     return GGUFModel(config, weights, tokenizer_json, tokenizer_config, generation_config, special_map)
 
@@ -579,12 +419,8 @@ def _write_folder(model: GGUFModel, folder: Path, source: Path) -> None:
 def convert_gguf(
     path: str | Path, out_dir: str | Path, progress: bool = True, *, dtype: mx.Dtype | None = None
 ) -> Path:
-    """Convert a GGUF file into an MLX model folder at `out_dir` and return its path.
-
-    The folder is built under a temporary sibling name and renamed into place, so `out_dir` is
-    either absent, the previous finished conversion, or the new finished one. An existing
-    finished conversion is replaced; any other non-empty `out_dir` is refused.
-    """
+    """Convert a GGUF file into an MLX model folder at `out_dir` (built under a temporary name, then renamed
+    into place); an existing finished conversion is replaced, any other non-empty `out_dir` refused."""
     source, out = Path(path).resolve(), Path(out_dir).resolve()
     if out.exists() and not is_converted(out):
         if any(out.iterdir()):
@@ -596,7 +432,7 @@ def convert_gguf(
     try:
         _write_folder(read_gguf(source, progress=progress, dtype=dtype), tmp, source)
         if out.exists():
-            # Directories cannot be os.replace()d over non-empty ones: move the old one aside first.
+            # A folder cannot be os.replace()d over a non-empty one: move the old one aside first.
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(out, old)
             os.replace(tmp, out)

@@ -1,10 +1,5 @@
-"""A GGUF file's metadata and tensors: the header parsed off a memory map, tensors as MLX arrays.
-
-Q4_0 / Q4_1 / Q8_0 become MLX's affine triples (group 32) bit for bit as `mx.load` builds them; F32 / F16
-/ BF16 are read as stored; every other type llama.cpp writes (Q5_0, Q5_1, the K-quants, ...) is
-dequantized to float32 with the `gguf` package's dequantizers (llama.cpp's formulas). MLX's own reader
-refuses some of those types and misreads others.
-"""
+"""A GGUF file's metadata and tensors off a memory map: Q4_0 / Q4_1 / Q8_0 as MLX's affine triples (group 32)
+bit for bit, F32 / F16 / BF16 as stored, every other type dequantized to float32 by the `gguf` package."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
-# Every GGML block format that MLX's affine layout holds (Q4_0, Q4_1, Q8_0) uses 32-value blocks.
+# GGML's Q4_0, Q4_1 and Q8_0 use 32-value blocks.
 GGML_GROUP_SIZE = 32
 
 _VT = gguf.GGUFValueType
@@ -27,10 +22,17 @@ _SCALARS = {_VT.UINT8: "<B", _VT.INT8: "<b", _VT.UINT16: "<H", _VT.INT16: "<h", 
             _VT.INT32: "<i", _VT.FLOAT32: "<f", _VT.BOOL: "<?", _VT.UINT64: "<Q", _VT.INT64: "<q",
             _VT.FLOAT64: "<d"}
 _QT = gguf.GGMLQuantizationType
-# Block types MLX's affine quantization holds exactly (group 32): kept quantized, as mx.load keeps them.
+# Block types MLX's affine quantization holds exactly: kept quantized.
 _AFFINE_BITS = {_QT.Q4_0: 4, _QT.Q4_1: 4, _QT.Q8_0: 8}
-# Read as stored; every other type is dequantized (gguf's dequantizers, llama.cpp's formulas) to float32.
+# Read as stored; every other type is dequantized to float32.
 _STORED = {_QT.F32, _QT.F16, _QT.BF16}
+
+
+def py_value(value: Any) -> Any:
+    """A metadata value as plain Python (numeric arrays as numpy arrays)."""
+    if isinstance(value, np.ndarray):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class Tensor:
 
 
 class _Header:
-    """A GGUF file's metadata and tensor directory, parsed straight off a memory map (gguf's GGUFReader
-    builds a numpy view per token string, which takes many seconds for a large vocabulary)."""
+    """A GGUF file's metadata and tensor directory off a memory map (gguf's GGUFReader takes seconds over a
+    large vocabulary)."""
 
     def __init__(self, path: Path) -> None:
         with open(path, "rb") as f:
@@ -111,8 +113,7 @@ def read_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 def _affine(t: Tensor) -> tuple[mx.array, mx.array, mx.array]:
-    """A Q4_0 / Q4_1 / Q8_0 tensor as MLX's affine triple, bit for bit as mx.load builds it: the block's
-    integers (offset to unsigned), its fp16 scale, and its minimum (-8 or -128 scales, or Q4_1's own)."""
+    """A Q4_0 / Q4_1 / Q8_0 tensor as MLX's affine triple, bit for bit as mx.load builds it."""
     bits = _AFFINE_BITS[t.qtype]
     _, size = gguf.GGML_QUANT_SIZES[t.qtype]
     blocks = t.data.reshape(-1, size)
@@ -147,8 +148,7 @@ def dense(t: Tensor) -> mx.array:
 
 
 def model_dtype(types: set[gguf.GGMLQuantizationType]) -> mx.Dtype:
-    """One float dtype for the model: float16 for F16 tensors and Q4_0 / Q4_1 / Q8_0 scales (F32 norms
-    are cast to it too), bfloat16 for BF16, float32 for all-F32 files and for mixed halves."""
+    """One float dtype for the model: float16 for F16 and Q4/Q8 scales, bfloat16 for BF16, else float32."""
     if not types <= {*_STORED, *_AFFINE_BITS}:
         return mx.float32  # dequantized values: float32 alone holds them exactly
     halves = {mx.bfloat16 if q == _QT.BF16 else mx.float16 for q in types - {_QT.F32}}

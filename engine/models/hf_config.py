@@ -1,10 +1,5 @@
-"""Configs as transformers writes them, in the form mlx-lm's model classes read.
-
-transformers (5.x) saves a Gemma4 text config with the full-attention layers' head size and KV heads folded
-into `per_layer_config` ({layer index: overrides}) and without `global_head_dim` /
-`num_global_key_value_heads`, which mlx-lm's `gemma4_text` reads (defaulting `global_head_dim` to 512).
-Published checkpoints write the flat keys; both forms load here.
-"""
+"""Configs as transformers writes them in the form mlx-lm reads: transformers 5.x folds a Gemma4 text config's
+full-attention head size and KV heads into `per_layer_config`, mlx-lm reads flat keys."""
 
 from __future__ import annotations
 
@@ -15,11 +10,11 @@ _FULL = "full_attention"
 
 
 def gemma4_text_args(text: dict[str, Any]) -> dict[str, Any]:
-    """`text` (a gemma4 text config) with `per_layer_config` turned into mlx-lm's flat keys. Raises
-    ValueError for overrides mlx-lm's layers cannot express (any other key, or sliding layers overridden)."""
+    """`text` (a gemma4 text config) with `per_layer_config` as mlx-lm's flat keys; ValueError for overrides
+    mlx-lm cannot express."""
     if "per_layer_config" not in text:
         return text
-    per_layer = text["per_layer_config"] or {}  # empty when no layer differs: full layers take head_dim
+    per_layer = text["per_layer_config"] or {}  # empty when no layer differs
     out = {k: v for k, v in text.items() if k != "per_layer_config"}
     types = list(text.get("layer_types") or [])
     head_dim, kv_heads = text.get("head_dim"), text.get("num_key_value_heads")

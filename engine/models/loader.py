@@ -1,12 +1,10 @@
-"""Model loading: Hugging Face folders, GGUF files, Hub ids, and the default model.
-
-Model classes come from mlx-lm; we only resolve where the weights are, pick the dtype and build the
-tokenizer (a transformers fast tokenizer, no torch needed).
-"""
+"""Model loading: Hugging Face folders, GGUF files, Hub ids and the default model, on mlx-lm's model classes
+(no torch needed)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -18,11 +16,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from tqdm import tqdm
 
 from engine.config import DType, cache_dir
+from engine.models.gguf import convert_gguf, is_current, read_gguf
 from engine.models.hf_config import mlx_config
-from engine.models.weights import WeightPlan, apply_plan, precision_name
+from engine.models.weights import DEFAULT_GROUP_SIZE, QUANTIZATIONS, WeightPlan, apply_plan, precision_name
+from engine.sampling import SamplingParams
 
+# mlx_lm, transformers and huggingface_hub load where a model is loaded: ~2 s that config readers skip.
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -70,8 +72,6 @@ def default_gguf_path() -> Path:
 
 def default_model_folder(progress: bool = True) -> Path:
     """The default GGUF converted once into an MLX folder under the cache directory."""
-    from engine.models.gguf import convert_gguf, is_current
-
     out = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-mlx"
     if not is_current(out):  # absent, or written by an older converter
         logger.info("converting %s into %s (once)", _DEFAULT_GGUF, out)
@@ -80,9 +80,8 @@ def default_model_folder(progress: bool = True) -> Path:
 
 
 def resolve_dtype(requested: DType, checkpoint_dtype: str | None) -> mx.Dtype:
-    """The compute dtype (activations, KV cache): float32 on the CPU whatever the weights' precision
-    (the C kernels read low-precision weights and compute in float32); on a GPU `requested`, or the
-    checkpoint's with `auto`."""
+    """The compute dtype (activations, KV cache): float32 on the CPU (the C kernels compute in float32); on
+    a GPU `requested`, or the checkpoint's with `auto`."""
     if mx.default_device() == mx.cpu or not mx.is_available(mx.gpu):
         return mx.float32
     if requested != "auto":
@@ -155,8 +154,7 @@ def model_folder(path: str | Path) -> Path:
 
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
-    """`folder/generation_config.json` ({} where there is none). Raises ValueError for one that is not
-    a JSON object."""
+    """`folder/generation_config.json` ({} where there is none); ValueError unless a JSON object."""
     path = folder / "generation_config.json"
     if not path.is_file():
         return {}
@@ -170,16 +168,13 @@ def read_generation_config(folder: Path) -> dict[str, Any]:
 
 
 def sampling_defaults(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The sampling defaults a generation config sets, by SamplingParams' names (Hugging Face's
-    `max_new_tokens` is `max_tokens`); a null value sets none. Raises ValueError naming `where` for a
-    value the engine would refuse."""
-    from engine.sampling import SamplingParams
-
+    """The sampling defaults a generation config sets, by SamplingParams' names (`max_new_tokens` is
+    `max_tokens`; null sets none). ValueError naming `where` for a value the engine would refuse."""
     out = {key: config[key] for key in GENERATION_DEFAULT_KEYS if config.get(key) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     try:
-        SamplingParams(**out).validate(vocab_size=1)  # no stop token ids here: the vocabulary is unused
+        SamplingParams(**out).validate(vocab_size=1)  # no stop token ids: the vocabulary is unused
     except ValueError as e:
         raise ValueError(f"{where}: {e}".replace("max_tokens", "max_new_tokens")) from None
     return out
@@ -187,9 +182,8 @@ def sampling_defaults(config: dict[str, Any], where: str) -> dict[str, Any]:
 
 def generation_defaults(source: str, model_path: str | Path,
                         override: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Default sampling parameters, as vLLM's `--generation-config` / `--override-generation-config`:
-    `auto` takes the model folder's generation_config.json, `vllm` none (OpenAI's defaults stay), any
-    other value is a folder holding one. `override` is merged on top. Raises ValueError."""
+    """Default sampling parameters as vLLM's `--generation-config` (auto: the model's file; vllm: none; else
+    a folder holding one) and `--override-generation-config` on top. Raises ValueError."""
     config: dict[str, Any] = {}
     if source == "auto":
         path = model_folder(model_path) / "generation_config.json"
@@ -240,15 +234,13 @@ def load_model(
     quantization: str | None = None,
     shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
-    """`shard`: splits the layers for tensor parallelism (engine/distributed.py), before the CPU swap."""
+    """`shard`: splits the layers for tensor parallelism (engine/tensor_parallel/), before the CPU swap."""
     from mlx_lm.utils import load_model as mlx_load_model
 
     source, path = resolve_source(model, revision)
     if source == "default":
         path = default_model_folder(progress=progress)
     if source == "gguf":
-        from engine.models.gguf import read_gguf
-
         g = read_gguf(path, progress=progress)
         config = dict(g.config)
         net = build_model(config, g.weights)
@@ -265,11 +257,11 @@ def load_model(
         net, config = mlx_load_model(path, lazy=True, model_config=mlx_config(load_config(path)))
         tokenizer = load_tokenizer(path, chat_template)
         folder = path
-        name = DEFAULT_MODEL_NAME if source == "default" else (model if source == "hub" else path.name)
+        name = DEFAULT_MODEL_NAME if source == "default" else (str(model) if source == "hub" else path.name)
     dt = resolve_dtype(dtype, _checkpoint_dtype(config))
-    # A multimodal wrapper (gemma4, gemma3) serves its text model: the engine runs text only and reads
-    # `model.model`, `model.args` and the head the way it does for every text class.
-    net = getattr(net, "language_model", net)
+    # A multimodal wrapper (gemma4, gemma3) serves its text model.
+    if hasattr(net, "language_model"):
+        net = net.language_model
     _load_with_progress(net, WeightPlan(dtype, quantization), dt, progress, shard)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, name=str(name), path=str(path),
                        source=source, dtype=dt, eos_token_ids=_eos_ids(config, tokenizer, folder),
@@ -278,12 +270,8 @@ def load_model(
 
 def quantized_copy(model: str | None, quantization: str, revision: str | None = None, dtype: str = "auto",
                    out: str | None = None) -> Path:
-    """Write a quantized MLX folder of a float checkpoint (HF folder or Hub id) with mlx-lm's converter;
-    returns the folder. A GGUF or an already quantized checkpoint is refused (by the converter)."""
-    import importlib
-
-    from engine.models.weights import DEFAULT_GROUP_SIZE, QUANTIZATIONS
-
+    """Write a quantized MLX folder of a float checkpoint with mlx-lm's converter; -> the folder. A GGUF or
+    quantized checkpoint is refused."""
     source, path = resolve_source(model, revision)
     if source in ("default", "gguf"):
         raise ValueError(f"{model or DEFAULT_MODEL_NAME} is a GGUF file, already quantized: serve it as "
@@ -299,17 +287,14 @@ def quantized_copy(model: str | None, quantization: str, revision: str | None = 
 
 
 def materialize(module: nn.Module) -> None:
-    """Evaluate every array the module tree holds, private ones included (mlx-lm's ProportionalRoPE keeps its
-    frequencies in `_freqs`, outside `parameters()`): an array left lazy belongs to the loading thread's
-    stream, and evaluating it on the engine thread raises "There is no Stream(cpu, 0) in current thread"."""
+    """Evaluate every array the module tree holds, private ones too (ProportionalRoPE's `_freqs`): an array
+    left lazy belongs to the loading thread's stream, and the engine thread could not evaluate it."""
     arrays = [v for _, m in module.named_modules() for v in m.values() if isinstance(v, mx.array)]
     mx.eval(arrays)
 
 
 def _load_with_progress(net: nn.Module, plan: WeightPlan, dtype: mx.Dtype, progress: bool,
                         shard: Callable[[nn.Module], None] | None = None) -> None:
-    from tqdm import tqdm
-
     layers = list(net.layers)
     with tqdm(total=len(layers) + 1, desc="loading weights", unit="layer", disable=not progress) as bar:
         for layer in layers:  # materialise lazily-loaded weights layer by layer for the bar

@@ -1,14 +1,5 @@
-"""MTP assistant checkpoints (Gemma4 `gemma4_assistant` / `gemma4_mtp`) as an MLX module.
-
-The assistant drafts from [target embedding of the newest token (scaled), target final hidden state
-of the row that produced it] -> `pre_projection` -> decoder layers that compute queries only and read
-the TARGET's paged KV (assistant layer i reads the last non-shared target layer of its attention
-type) -> final norm -> logits (tied embedding, or the ordered-embedding centroid head). The query sits
-at the newest token's position p and attends to target KV at positions <= p-1 (the newest token has no
-KV yet). `post_projection` maps the output back to the target width: fed back for drafts 2..K.
-No KV is written, so there is no extra KV memory. Architecture as in transformers'
-`models/gemma4_assistant` and vllm-metal's `v1/gemma4_mtp_model.py`.
-"""
+"""MTP assistant checkpoints (Gemma4 `gemma4_assistant` / `gemma4_mtp`) as an MLX module: query-only
+decoder layers over the target's paged KV (docs/mtp.md), as in transformers' `models/gemma4_assistant`."""
 
 from __future__ import annotations
 
@@ -25,8 +16,9 @@ from engine.attention.types import AttentionMetadata
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.hf_config import mlx_config
-from engine.models.loader import LoadedModel, materialize
+from engine.models.loader import LoadedModel, materialize, resolve_source
 from engine.models.mtp_trained import check_config, id_out_of_range, load_trained
+from engine.models.weights import load_arrays
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_mtp")
 # Every model_type this module loads (specserve_mtp: assistants trained by `specserve train-assistant`).
@@ -70,12 +62,11 @@ def kv_source_layers(target_types: list[str], num_kv_shared: int, assistant_type
 
 
 class _AssistantText(nn.Module):
-    """mlx-lm's Gemma4 decoder layers, every one KV-shared (queries only); mlx-lm's Gemma4TextModel
-    itself cannot be built without a KV-producing layer of each type."""
+    """mlx-lm's Gemma4 decoder layers, all KV-shared (Gemma4TextModel needs KV-producing ones)."""
 
     def __init__(self, args: Any) -> None:
         super().__init__()
-        from mlx_lm.models.gemma4_text import DecoderLayer
+        from mlx_lm.models.gemma4_text import DecoderLayer  # mlx_lm loads transformers (~2 s)
 
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
@@ -83,8 +74,7 @@ class _AssistantText(nn.Module):
 
 
 class Gemma4Assistant(nn.Module):
-    """Weights: `text` (mlx-lm Gemma4TextModel, all layers KV-shared), the two projections, and the
-    optional centroid head (`centroids` + `token_ordering`)."""
+    """Weights: `text` (all layers KV-shared), the two projections and the optional centroid head."""
 
     def __init__(self, config: dict, text_args: Any) -> None:
         super().__init__()
@@ -119,8 +109,8 @@ class Gemma4Assistant(nn.Module):
 
     def __call__(self, x: mx.array, positions: mx.array | int, caches: list[ReadOnlyPagedCache]
                  ) -> tuple[mx.array, mx.array]:
-        """x: [N, 2 * backbone] = [scaled target embedding, target hidden]; positions: [N] query positions
-        (or one int). Returns (logits [N, vocab], post_projection output [N, backbone])."""
+        """x: [N, 2 * backbone] = [scaled target embedding, target hidden]; positions: [N] (or one int).
+        -> (logits [N, vocab], post_projection output [N, backbone])."""
         h = self.pre_projection(x)[:, None, :]  # [N, 1, hidden]: one row per request
         dummy = (mx.zeros((1,)), mx.zeros((1,)))  # K/V come from the target cache inside attention
         for layer, cache in zip(self.text.layers, caches, strict=True):
@@ -135,7 +125,7 @@ def _read_weights(path: Path) -> dict[str, mx.array]:
         raise _fail(f"no *.safetensors weights in {path}")
     weights: dict[str, mx.array] = {}
     for f in files:
-        weights.update(mx.load(str(f)))
+        weights.update(load_arrays(str(f)))
     return weights
 
 
@@ -159,7 +149,7 @@ def _token_ordering(order: mx.array | None, net: Gemma4Assistant) -> mx.array:
 
 def check_assistant_config(config: dict, target: nn.Module, target_config: dict) -> Any:
     """Start-up checks (no fallback); returns the assistant's mlx-lm text args."""
-    from mlx_lm.models.gemma4_text import ModelArgs
+    from mlx_lm.models.gemma4_text import ModelArgs  # mlx_lm loads transformers (~2 s)
 
     mt = config.get("model_type")
     if mt not in ASSISTANT_TYPES:
@@ -202,17 +192,14 @@ class LoadedAssistant:
     target_layers: list[int]  # target KV layer each assistant layer reads
     windows: list[int | None]  # sliding window per assistant layer
     path: str
-    # Token id of each logit row where the head scores a reduced vocabulary (trained assistants);
-    # None: row i is token i.
+    # Token id of each logit row where the head scores a reduced vocabulary (None: row i is token i).
     head_token_ids: mx.array | None = None
 
 
 def load_assistant(path: str, target: LoadedModel, revision: str | None = None,
                    ) -> LoadedAssistant:
-    """Load + check an assistant against the target (start-up; raises MTPAssistantError). `path`: a
-    folder or a Hub id (`revision`: a branch, tag or commit of it, as the guide pins them)."""
-    from engine.models.loader import resolve_source
-
+    """Load and check an assistant against the target (raises MTPAssistantError). `path`: a folder or a Hub
+    id at `revision`."""
     folder = Path(path).expanduser()
     if not folder.exists():
         try:
@@ -265,8 +252,8 @@ def load_assistant(path: str, target: LoadedModel, revision: str | None = None,
 
 
 def _load_trained(folder: Path, config: dict, target: LoadedModel) -> LoadedAssistant:
-    """A `specserve train-assistant` checkpoint: checked against the target it was trained on. The C draft
-    loop (engine/cpu/mtp.c) indexes the target's KV cache and embedding with these sizes and ids."""
+    """A `specserve train-assistant` checkpoint, checked against its target (the C draft loop indexes the
+    target's KV and embedding with these sizes)."""
 
     targs = target.model.args
     tmt = target.config.get("model_type")

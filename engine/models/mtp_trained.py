@@ -1,12 +1,5 @@
-"""A trained MTP assistant for llama-family targets (`model_type: specserve_mtp`).
-
-Same shape family as the Gemma4 assistant: [target embedding of the newest token, target final-norm
-hidden state] -> `pre_projection` -> one decoder layer whose attention computes queries only and reads
-one target layer's paged KV (keys strictly before the query position) -> final norm -> head. The head
-scores a reduced vocabulary (the most frequent tokens of the self-distilled data, `vocab_ids`, which map
-its argmax back to full ids), so a draft step costs a few percent of a target step. `post_projection` maps
-the output back to the target width for drafts 2..K. Written by `specserve train-assistant`.
-"""
+"""A trained MTP assistant for llama-family targets (`model_type: specserve_mtp`, from `specserve
+train-assistant`): one query-only decoder layer and a head over a reduced vocabulary (docs/mtp.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +9,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+
+from engine.models.weights import flat_arrays, load_arrays
 
 TRAINED_TYPE = "specserve_mtp"
 
@@ -35,13 +29,14 @@ class QueryOnlyAttention(nn.Module):
         # x: [N, 1, hidden], one query per request; keys/values come from the target's paged KV.
         n = x.shape[0]
         q = self.q_proj(x).reshape(n, 1, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=positions)  # [N, H, 1, D]
+        # nn.RoPE annotates offset as int; mx.fast.rope takes arrays.
+        q = self.rope(q, offset=positions)  # type: ignore[arg-type]
         o = cache.attention(q, self.scale)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, 1, -1))
 
     def dense(self, x: mx.array, keys: mx.array, values: mx.array) -> mx.array:
-        """Training layout. x: [B, T, hidden] for query positions 1..T; keys/values: [B, Hkv, T, D] of
-        positions 0..T-1 (post-RoPE, as the target cached them). Query t sees keys 0..t-1 only."""
+        """Training layout: x [B, T, hidden] for query positions 1..T, keys/values [B, Hkv, T, D] of positions
+        0..T-1; query t sees keys 0..t-1 only."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=1)
@@ -86,11 +81,9 @@ class TrainedAssistant(nn.Module):
 
     def __call__(self, x: mx.array, positions: mx.array | int,
                  caches: list[Any]) -> tuple[mx.array, mx.array]:
-        """x: [N, 2 * backbone] = [target embedding, target hidden]; positions: [N] query positions.
-        Returns (logits over the head's rows [N, head_size], row i scoring token `vocab_ids[i]`; next
-        hidden [N, backbone]). Not scattered to the full vocabulary: the argmax and its probability are
-        the same over the head's rows (every other token has probability 0), and the scatter and the
-        softmax over the full vocabulary were a large share of a one-request draft pass."""
+        """x: [N, 2 * backbone] = [target embedding, target hidden] -> (logits over the head's rows [N,
+        head_size], row i scoring `vocab_ids[i]`; next hidden [N, backbone]). Never scattered to the full
+        vocabulary: the argmax and its probability are the same, and the scatter cost a large share."""
         h = self.pre_projection(x)[:, None, :]  # [N, 1, d]
         out = self._block(h, lambda y: self.self_attn.paged(y, positions, caches[0]))[:, 0, :]
         return self.head(out), self.post_projection(out)
@@ -103,7 +96,7 @@ class TrainedAssistant(nn.Module):
 
 def save_trained(net: TrainedAssistant, folder: Path, dtype: mx.Dtype = mx.float16) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: (v if k == "vocab_ids" else v.astype(dtype)) for k, v in tree_flatten(net.parameters())}
+    weights = {k: (v if k == "vocab_ids" else v.astype(dtype)) for k, v in flat_arrays(net.parameters())}
     weights["vocab_ids"] = net.vocab_ids
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(net.config, indent=1) + "\n")
@@ -149,14 +142,14 @@ def id_out_of_range(ids: mx.array, size: int) -> int | None:
     """An id of `ids` outside [0, size), or None (C code indexes tables of `size` rows with them)."""
     if not ids.size:
         return None
-    lo, hi = int(ids.min().item()), int(ids.max().item())
+    lo, hi = int(ids.min()), int(ids.max())
     return lo if lo < 0 else hi if hi >= size else None
 
 
 def check_weights(net: TrainedAssistant, weights: dict[str, mx.array], source: str) -> None:
-    """The checkpoint holds exactly the tensors `net`'s config implies, each with its shape and a float
-    dtype (`vocab_ids`: integer ids in [0, vocab_size)); raises ValueError naming the tensor."""
-    want = dict(tree_flatten(net.parameters()))
+    """The checkpoint holds exactly the tensors the config implies, with their shapes and float dtypes;
+    raises ValueError naming the tensor."""
+    want = dict(flat_arrays(net.parameters()))
     missing = sorted(want.keys() - weights.keys())
     if missing:
         raise ValueError(f"{source} lacks weight(s) {missing}")
@@ -181,14 +174,14 @@ def check_weights(net: TrainedAssistant, weights: dict[str, mx.array], source: s
 
 
 def load_trained(folder: Path, config: dict, dtype: mx.Dtype) -> TrainedAssistant:
-    """Build the assistant `config` describes and load its checkpoint strictly (every tensor present,
-    no other, each of the implied shape); raises ValueError naming what disagrees."""
+    """Build the assistant `config` describes and load its checkpoint strictly; ValueError names what
+    disagrees."""
     check_config(config)
     net = TrainedAssistant(config)
     file = folder / "model.safetensors"
     if not file.is_file():
         raise ValueError(f"no model.safetensors in {folder}")
-    weights = mx.load(str(file))
+    weights = load_arrays(str(file))
     check_weights(net, weights, file.name)
     net.load_weights([(k, v.astype(mx.int32 if k == "vocab_ids" else dtype)) for k, v in weights.items()])
     mx.eval(net.parameters())

@@ -1,20 +1,5 @@
-"""Weight precision at load: keep a checkpoint's own precision, dequantize, or quantize with MLX.
-
-`--dtype` and `--quantization` resolve here into a `WeightPlan`:
-- `auto`: weights stay as stored (bf16 / fp16 / float32 / MLX affine 8- or 4-bit, GGUF Q8_0 / Q4_0 /
-  Q4_1 as 8- or 4-bit affine with group 32, other GGUF types as the float32 the reader dequantized them
-  to); everything else (norms, biases) computes in the model's compute dtype (float32 on the CPU).
-- `float32` / `bfloat16` / `float16`: every weight in that float type (a quantized checkpoint is
-  dequantized, in float32); `float32` is the exactness reference on the CPU.
-- `quantization` q8 / q4: the weights quantized at load by MLX's own quantizer (`nn.quantize`, group
-  64), from `--dtype`'s floats (a quantized checkpoint is dequantized first: two roundings, logged).
-
-On MLX's CPU backend the linear layers and embedding tables are swapped for modules that multiply
-through engine/cpu/qgemm.c on the engine's thread (MLX's CPU matmuls for bf16 and quantized weights are
-slow, and its float32 ones run OpenMP from MLX's own thread: docs/cpu-backend.md); where that kernel
-cannot run, low-precision weights are dequantized to float32 instead, with a log line. On a GPU MLX's
-own modules stay (Metal has fast quantized kernels).
-"""
+"""Weight precision at load: `--dtype` and `--quantization` resolve into a `WeightPlan`; on MLX's CPU backend
+linear layers and embeddings become modules that multiply through engine/cpu/qgemm.c (docs/cpu-backend.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,17 +20,30 @@ from mlx.nn.layers.distributed import (
 )
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from engine.cpu.qgemm import PackedWeights, int8_by_default, qgemm, rows_host
+from engine.cpu.qgemm import unsupported_reason as qgemm_reason
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = {"q8": 8, "q4": 4}
 DEFAULT_GROUP_SIZE = 64  # mlx_lm.convert's default
-# mlx's tensor-parallel linears (engine/distributed.py) are linears too; *ToAll ones all-sum their output.
+# mlx's tensor-parallel linears are linears too; *ToAll ones all-sum their output.
 _SHARDED_QUANT = (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)
 _SHARDED_TO_ALL = (ShardedToAllLinear, QuantizedShardedToAllLinear)
 _QUANT = (nn.QuantizedLinear, nn.QuantizedEmbedding, *_SHARDED_QUANT)
 _LINEAR = (nn.Linear, nn.QuantizedLinear, AllToShardedLinear, ShardedToAllLinear, *_SHARDED_QUANT)
 _EMBED = (nn.Embedding, nn.QuantizedEmbedding)
 _DTYPE_NAME = {mx.float32: "float32", mx.bfloat16: "bf16", mx.float16: "f16"}
+
+
+def flat_arrays(tree: Any) -> list[tuple[str, mx.array]]:
+    """`tree_flatten` of a tree of arrays -> (dotted path, array) pairs, typed once."""
+    return cast("list[tuple[str, mx.array]]", tree_flatten(tree))
+
+
+def load_arrays(path: str) -> dict[str, mx.array]:
+    """`mx.load` of a .safetensors or .npz file: name -> array, typed once."""
+    return cast("dict[str, mx.array]", mx.load(path))
 
 
 def on_cpu() -> bool:
@@ -70,11 +68,11 @@ def _weights_module(m: Any) -> bool:
 
 
 def cast_except_weights(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Cast every float parameter to `dtype` except the matrices of linear and embedding layers (and
-    their quantization scales / biases), which keep their precision."""
+    """Cast every float parameter to `dtype` except linear and embedding matrices (and their quantization
+    scales / biases)."""
     modules = dict(model.named_modules())
     updates = []
-    for path, a in tree_flatten(model.parameters()):
+    for path, a in flat_arrays(model.parameters()):
         owner, _, name = path.rpartition(".")
         if name in ("weight", "scales", "biases") and _weights_module(modules.get(owner)):
             continue
@@ -104,17 +102,16 @@ class WeightPlan:
 
 def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
                shard: Callable[[nn.Module], None] | None = None) -> None:
-    """Bring a loaded model's weights to the plan (see the module docstring); evaluates them. `shard`
-    (tensor parallelism) splits the layers once their precision is settled, before the CPU modules
-    are swapped in."""
-    from mlx_lm.utils import dequantize_model
+    """Bring a loaded model's weights to the plan and evaluate them. `shard` (tensor parallelism) splits the
+    layers once their precision is settled, before the CPU modules are swapped in."""
+    from mlx_lm.utils import dequantize_model  # mlx_lm loads transformers (~2 s): only when loading
 
     quantized = is_quantized(model)
     if plan.dtype != "auto" or (plan.quantization and quantized):
         if plan.quantization and quantized:
             logger.warning("--quantization %s over a quantized checkpoint (%s): dequantized, then quantized "
                            "again (two roundings)", plan.quantization, precision_name(model))
-        model.set_dtype(mx.float32)  # scales and biases first: dequantized weights get no fp16 rounding
+        model.set_dtype(mx.float32)  # scales first: dequantized weights get no fp16 rounding
         if quantized:
             dequantize_model(model)
         if plan.dtype not in ("auto", "float32"):
@@ -127,12 +124,10 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
         model.set_dtype(compute_dtype)
         mx.eval(model.parameters())
         return
-    # CPU: the matmul weights keep their precision, everything else computes in `compute_dtype`.
+    # CPU: the matmul weights keep their precision, the rest computes in `compute_dtype`.
     cast_except_weights(model, compute_dtype)
     mx.eval(model.parameters())
-    from engine.cpu import qgemm
-
-    why = qgemm.unsupported_reason()
+    why = qgemm_reason()
     if why is None:
         swap_cpu_modules(model, compute_dtype)
         return
@@ -146,15 +141,13 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
 
 
 class CpuLinear(nn.Module):
-    """A linear layer whose weight stays as stored (float32, bf16, fp16, affine 8/4-bit), multiplied by
-    engine/cpu/qgemm.c on the calling thread."""
+    """A linear layer whose weight stays as stored, multiplied by engine/cpu/qgemm.c on the calling thread."""
 
     def __init__(self, packed: Any, bias: mx.array | None, params: dict[str, mx.array],
                  group: mx.distributed.Group | None = None) -> None:
-        """`group`: a tensor-parallel slice of the input features, whose partial products are summed
-        over the group (mlx's ShardedToAllLinear) before the bias."""
+        """`group`: a tensor-parallel slice of the input features, partial products summed before the bias."""
         super().__init__()
-        for k, v in params.items():  # the stored arrays stay parameters (memory accounting, state dicts)
+        for k, v in params.items():  # stored arrays stay parameters (memory accounting, state dicts)
             setattr(self, k, v)
         if bias is not None:
             self.bias = bias
@@ -163,8 +156,6 @@ class CpuLinear(nn.Module):
         self.precision = _packed_name(packed)
 
     def __call__(self, x: mx.array) -> mx.array:
-        from engine.cpu.qgemm import qgemm
-
         y = qgemm(x, self._packed)
         if self._group is not None:
             y = mx.distributed.all_sum(y, group=self._group)
@@ -172,8 +163,7 @@ class CpuLinear(nn.Module):
 
 
 class CpuEmbedding(nn.Module):
-    """An embedding table kept in its stored precision: rows gathered and dequantized by MLX, and used as
-    the tied output layer through engine/cpu/qgemm.c (the same table, read once per step)."""
+    """An embedding table in its stored precision, also the tied output layer through engine/cpu/qgemm.c."""
 
     def __init__(self, packed: Any, params: dict[str, mx.array], compute_dtype: mx.Dtype,
                  group_size: int = 0, bits: int = 0) -> None:
@@ -191,20 +181,15 @@ class CpuEmbedding(nn.Module):
         return mx.array(rows).reshape(*ids.shape, self._packed.k).astype(self._dtype)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        """Rows `ids` as float32 on the host [len(ids), hidden], dequantized in C as the head's product
-        reads them (MLX's gather-and-dequantize cost ~0.2 ms a step)."""
-        from engine.cpu.qgemm import rows_host
-
+        """Rows `ids` as float32 on the host [len(ids), hidden], dequantized in C."""
         return rows_host(ids, self._packed)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        from engine.cpu.qgemm import qgemm
-
         return qgemm(x, self._packed)
 
     def float32_table(self) -> mx.array:
-        """The whole table in float32, for readers of raw rows (the MTP assistant's C pass): the stored
-        array itself when it is float32, else a dequantized copy made once (vocab x hidden x 4 bytes)."""
+        """The whole table in float32 for raw-row readers (the MTP assistant's C pass): the stored array, or a
+        dequantized copy made once."""
         if self._packed.fmt == "f32":
             return self["weight"]
         if self._f32.table is None:
@@ -226,8 +211,6 @@ def _packed_name(packed: Any) -> str:
 
 def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> int:
     """Replace low-precision linear / embedding layers by the C-kernel modules; returns how many."""
-    from engine.cpu.qgemm import PackedWeights
-
     count = 0
 
     def swap(path: str, m: Any) -> Any:
@@ -240,10 +223,8 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
             params = {k: m[k] for k in ("weight", "scales", "biases")}
         elif isinstance(m, (*_LINEAR, nn.Embedding)) and m.weight.dtype in (mx.bfloat16, mx.float16,
                                                                                 mx.float32):
-            # float32 too: every matmul then runs on the caller's thread. An OpenMP region opened from
-            # MLX's own thread (its float32 matmuls reach the small-M GEMM there) starts a second
-            # libgomp pool, and with more pool threads than CPUs libgomp stops spinning for good:
-            # every later parallel region waits for sleeping workers (single stream fell from 80 to 42).
+            # float32 too, so every matmul runs on the caller's thread: OpenMP from MLX's thread starts a
+            # second libgomp pool (docs/design-notes.md).
             packed = PackedWeights.floats(m.weight)
             params = {"weight": m.weight}
         if packed is None or not packed.supported():
@@ -261,12 +242,8 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
 
 
 def set_activation_precision(model: nn.Module, choice: str) -> bool:
-    """Point every C-kernel product whose weights the int8 kernel reads (4-bit) at 8-bit activations
-    (`int8`; `auto` where the kernels' ISA is one the int8 kernel is faster on), or keep float32 activations
-    everywhere (`float32`). Returns whether any product now takes int8 activations; `int8` with no such
-    weights raises ValueError."""
-    from engine.cpu.qgemm import int8_by_default
-
+    """Point every 4-bit C-kernel product at 8-bit activations (`int8`; `auto` where the ISA favours it), or
+    keep float32 (`float32`). -> whether any product takes int8; `int8` without 4-bit weights raises."""
     packed = [m._packed for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
     wanted = choice == "int8" or (choice == "auto" and int8_by_default())
     int8 = [p for p in packed if p.int8_serves()] if wanted else []

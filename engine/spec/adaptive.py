@@ -1,23 +1,5 @@
-"""Adaptive speculation (`"num_speculative_tokens": "auto"`): each step, per request, pick the number
-of draft tokens (0 included) that maximises expected tokens per second of the whole step.
-
-Inputs, all learned online from the engine's own measurements:
-- `StepCostModel` (engine/spec/cost_model.py): target step seconds as a function of the step's tokens
-  at its number of requests, and the prices of a request's first draft token and of each further one
-  (where none is known yet, every other step explores);
-- draft cost per drafted token (the proposer's own time: ~0 for ngram/suffix, a draft forward for
-  draft_model), an exponential moving average;
-- `AcceptanceEstimator`: per request and per position, the probability that the draft at position i is
-  accepted given the ones before were, smoothed (EMA) and seeded by the running average of the requests
-  of its temperature bucket (greedy drafts are accepted far more often than sampled ones).
-Requests that stop drafting are re-probed with one token after a doubling number of idle steps (for
-model drafts, once verified, only while the method's probes are accepted often enough to pay).
-
-Allocation ranks draft tokens by value (the probability g that each is reached and accepted) and
-keeps the prefix of that ranking with the best rate G / C (expected tokens over predicted step
-seconds, one more verified token plus its draft per draft token). Under load (large C, large G) only
-confident drafts make the rate grow; at batch 1 with cheap verification most do. Pure Python.
-"""
+"""Adaptive speculation (`"num_speculative_tokens": "auto"`): per request and step, the K (0 included) that
+maximises the step's expected tokens per second (docs/speculative-decoding.md#adaptive-k)."""
 
 from __future__ import annotations
 
@@ -27,11 +9,9 @@ from dataclasses import dataclass, field
 from engine.sampling import TEMPERATURE_BUCKETS
 from engine.spec.cost_model import StepCostModel
 
-# Probability assumed for a position the request has never reached (before any average of its bucket).
+# Probability assumed for a position no request has reached yet.
 _PRIOR_ACCEPT = 0.5
-# An exploring step takes at no verification price only draft tokens at least this likely to be reached
-# and accepted: a K spread for the fit where drafts are often right (greedy, copied text), not sampled
-# requests' deep drafts, which cost a whole row each and are rarely accepted.
+# Exploring steps price verification at nothing only for drafts this likely to be accepted.
 _EXPLORE_MIN_REACH = 0.25
 GREEDY = TEMPERATURE_BUCKETS[0]
 
@@ -48,8 +28,8 @@ class _RequestAcceptance:
     p: list[float] = field(default_factory=list)  # P(accept position i | accepted 0..i-1)
     seen: list[int] = field(default_factory=list)  # times position i was verified for this request
     idle_steps: int = 0  # consecutive steps with K = 0
-    probe_after: int = 0  # re-probe once idle for this many steps (doubles per probe until drafting resumes)
-    probing: bool = False  # a probe was chosen and its verification has not come back yet
+    probe_after: int = 0  # re-probe once idle this many steps (doubles per probe)
+    probing: bool = False  # a probe is out and its verdict not back yet
 
 
 class AcceptanceEstimator:
@@ -60,10 +40,10 @@ class AcceptanceEstimator:
         self.prior_weight = prior_weight
         self.base_probe = base_probe
         self.max_probe = max_probe
-        # Running average per position and temperature bucket: seeds new requests of that bucket.
+        # Running average per position and temperature bucket: new requests' prior.
         self._buckets: dict[str, _BucketAcceptance] = {}
         self._req: dict[str, _RequestAcceptance] = {}
-        # Share of probes accepted, over all requests: a running mean, then a moving average (weight 0.05).
+        # Share of probes accepted: a running mean, then an EMA (weight 0.05).
         self.probe_yield = 0.0
         self.probes_seen = 0
 
@@ -78,13 +58,11 @@ class AcceptanceEstimator:
         return self._bucket(bucket).tries[0]
 
     def method_average(self, i: int, bucket: str = GREEDY) -> float:
-        """The method's running average at position i over the requests of `bucket` (a bucket no request
-        has drafted in yet starts from the flat prior, not from the other buckets' average)."""
+        """The running average at position i over `bucket`'s requests (the flat prior before any)."""
         b = self._bucket(bucket)
         if b.tries[i]:
             return (b.hits[i] + _PRIOR_ACCEPT) / (b.tries[i] + 1)
-        # A position no request has reached yet: like the one before it, not a flat prior that would
-        # keep K below it for good.
+            # A position nobody reached reads like the one before: a flat prior would keep K below it.
         return self.method_average(i - 1, bucket) if i > 0 else _PRIOR_ACCEPT
 
     def _state(self, request_id: str) -> _RequestAcceptance:
@@ -95,9 +73,7 @@ class AcceptanceEstimator:
         return st
 
     def probabilities(self, request_id: str, bucket: str = GREEDY) -> list[float]:
-        """Per position: the request's own estimate where it has evidence; else the running average of
-        its temperature bucket, read now (not frozen at admission); else the request's estimate one
-        position back."""
+        """Per position: the request's own estimate, else its bucket's average, else one position back."""
         st = self._state(request_id)
         tries = self._bucket(bucket).tries
         out: list[float] = []
@@ -111,14 +87,8 @@ class AcceptanceEstimator:
         return out
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int, bucket: str = GREEDY) -> None:
-        """A verification of `num_drafts` drafts accepted the first `num_accepted`, for a request of
-        temperature bucket `bucket`.
-
-        The seed counts as `prior_weight` observations: the request's own first verdicts move its
-        estimate like a running mean (weight 1 / (seen + prior_weight)) until that falls to the EMA
-        rate. With the EMA rate from the start, a request seeded low by the requests before it (a
-        repetitive one after a run of free-form ones) needs ~10 accepted probes to draft again, and
-        probes come at doubling intervals: it would not draft at all within 64 tokens."""
+        """`num_drafts` verified, the first `num_accepted` accepted. The seed counts as `prior_weight`
+        verdicts: a running mean first, then an EMA."""
         st = self._state(request_id)
         if st.probing and num_drafts > 0:
             st.probing = False
@@ -129,7 +99,7 @@ class AcceptanceEstimator:
         b = self._bucket(bucket)
         for i in range(min(num_drafts, self.max_k)):
             if i > num_accepted:
-                break  # later positions were never reached: no evidence about them
+                break  # later positions were never reached
             hit = 1.0 if i < num_accepted else 0.0
             if not st.seen[i]:
                 st.p[i] = prior[i]
@@ -142,13 +112,11 @@ class AcceptanceEstimator:
             st.idle_steps = 0
 
     def note_idle(self, request_id: str, can_probe: bool = True) -> bool:
-        """Count a step without drafts; True when the request is due a probe (the next one then waits
-        twice as long, until the request drafts by choice again). With `can_probe` False a due request
-        stays due for a later step."""
+        """Count a step without drafts; True when a probe is due (the next waits twice as long). With
+        `can_probe` False it stays due."""
         st = self._state(request_id)
         st.idle_steps += 1
-        # A probe still open here never came back (its draft was dropped: preemption, or the step's token
-        # budget): a later verification must not count as its verdict.
+            # A probe never came back (preempted, or over the token budget): no verdict.
         st.probing = False
         if st.idle_steps < st.probe_after or not can_probe:
             return False
@@ -160,8 +128,7 @@ class AcceptanceEstimator:
         return self._state(request_id).seen[0] > 0
 
     def note_drafting(self, request_id: str) -> None:
-        """The controller chose drafts on the estimate alone: probing starts over from the base wait, and
-        their verdict is no probe's."""
+        """Drafts chosen on the estimate alone: probing starts over from the base wait."""
         st = self._state(request_id)
         st.probe_after = self.base_probe
         st.probing = False
@@ -173,28 +140,26 @@ class AcceptanceEstimator:
 @dataclass(slots=True)
 class Candidate:
     request_id: str
-    max_k: int  # what the request can take this step (length limits, static caps)
-    # Tokens the proposer must process before this request's first draft (a draft model whose KV
-    # fell behind while the request did not draft); 0 for proposers without per-request state.
+    max_k: int  # what the request can take this step
+    # Tokens the proposer processes before this request's first draft (a draft model's KV behind).
     catch_up: int = 0
-    bucket: str = GREEDY  # the request's temperature bucket (engine.sampling.temperature_bucket)
+    bucket: str = GREEDY  # engine.sampling.temperature_bucket
 
 
 class AdaptiveController:
     PROBE_MIN_SEEN = 16  # probes back before their yield may stop re-probing
-    BUCKET_MIN_SEEN = 32  # a temperature bucket's first-draft verdicts before its average may stop probes
+    BUCKET_MIN_SEEN = 32  # a bucket's first-draft verdicts before its average may stop probes
 
     def __init__(self, max_k: int, ema: float = 0.1, base_probe: int = 4, gate_probes: bool = False) -> None:
         self.max_k = max_k
-        # Model drafts (draft_model, mtp): re-probes wait for a probe yield that pays. Not for lookups,
-        # whose candidates already have a match, and whose acceptance comes in copied spans.
+        # Model drafts re-probe only while probes pay; lookups' probes find copied spans.
         self.gate_probes = gate_probes
         self.cost = StepCostModel()
         self.acceptance = AcceptanceEstimator(max_k, ema=ema, base_probe=base_probe)
-        self.draft_cost_per_token = 0.0  # seconds, EMA of the proposer's time per drafted token
+        self.draft_cost_per_token = 0.0  # seconds per drafted token (EMA)
         self._draft_seen = False
-        self._last_rows: int | None = None  # requests in the last step chosen for: the gauges' draft prices
-        self._explore = False  # flips each step chosen at a request count whose draft price is unknown
+        self._last_rows: int | None = None  # requests in the last step chosen for (the gauges)
+        self._explore = False  # flips each step at a request count with no draft price yet
 
     # -- observations ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float, num_rows: int | None = None,
@@ -202,8 +167,7 @@ class AdaptiveController:
         self.cost.observe(num_tokens, seconds, num_rows, num_drafting)
 
     def skip_step(self) -> None:
-        """A step that is not decode/verify ran: the cost model does not see it, and the draft prices'
-        step pairs must not span it."""
+        """A step that is not decode/verify ran: price pairs must not span it."""
         self.cost.interrupt()
 
     def observe_draft(self, num_draft_tokens: int, seconds: float) -> None:
@@ -224,32 +188,31 @@ class AdaptiveController:
     # -- the choice ------------------------------------------------------------------------------
     def choose(self, candidates: list[Candidate], base_tokens: int, base_yield: int | None = None,
                num_rows: int | None = None) -> list[int]:
-        """K per candidate for the next step. `base_tokens`: tokens the step computes without drafts
-        (decode rows + prefill chunks); `base_yield`: tokens it emits without drafts (default: one per
-        candidate); `num_rows`: requests in the step (default: unknown, the pooled cost curve)."""
-        ks = [0] * len(candidates)
+        """K per candidate for the next step. `base_tokens`/`base_yield`: tokens the step computes/emits
+        without drafts; `num_rows`: requests in the step (None: the pooled cost curve)."""
         if not candidates:
-            return ks
+            return []
         self._last_rows = num_rows
-        # Where nothing prices a draft at this request count, every other step prices verification at
-        # nothing (the proposer's own time still counts) for drafts likely to be accepted: steps with and
-        # without drafts side by side give the fit its spread within a few steps, and the other steps keep
-        # the curve's guess.
+        # With no draft price at this request count, every other step explores (spread for the fit).
         explore = False
         if self.cost.draft_price_unknown(num_rows):
             self._explore = explore = not self._explore
         gain = float(base_yield if base_yield is not None else len(candidates))
-        tokens = base_tokens
+        ks, gain, cost = self._best_prefix(candidates, base_tokens, gain, num_rows, explore)
+        self._reprobe(candidates, ks, base_tokens, num_rows, gain, cost)
+        return ks
+
+    def _best_prefix(self, candidates: list[Candidate], tokens: int, gain: float, num_rows: int | None,
+                     explore: bool) -> tuple[list[int], float, float]:
+        """K per candidate: the prefix of the draft tokens ranked by acceptance probability with the best
+        rate, with its expected tokens and predicted seconds."""
         cost = self.cost.predict(tokens, num_rows)
         probs = [self.acceptance.probabilities(c.request_id, c.bucket) for c in candidates]
-        # reach[j]: probability the request's next draft position is reached and accepted.
+        # reach[j]: probability the next draft position is reached and accepted.
         heap = [(-probs[j][0], j) for j, c in enumerate(candidates) if c.max_k > 0]
         heapq.heapify(heap)
         reach = [1.0] * len(candidates)
-        # Draft tokens in order of value; keep the prefix with the best rate, not the one where the
-        # next token first fails to pay: step time is not convex in tokens (a lone request's first draft
-        # costs far more than the ones after it), so a token that does not pay alone can open the way
-        # to ones that do.
+        # The best-rate prefix: step time is not convex in tokens.
         order: list[int] = []
         taken = [0] * len(candidates)
         best_gain, best_cost, best_len = gain, cost, 0
@@ -266,70 +229,51 @@ class AdaptiveController:
             cost += marginal
             reach[j] = g
             taken[j] += 1
-            if gain * best_cost > best_gain * cost:  # a better rate than the best prefix so far
+            if gain * best_cost > best_gain * cost:
                 best_gain, best_cost, best_len = gain, cost, len(order)
             if taken[j] < candidates[j].max_k:
                 heapq.heappush(heap, (-(reach[j] * probs[j][taken[j]]), j))
+        ks = [0] * len(candidates)
         for j in order[:best_len]:
             ks[j] += 1
-        gain, cost = best_gain, best_cost
-        # Re-probe requests that have not drafted for a while, with one token: their estimate may be
-        # stale (the text turned repetitive), and the step time at more tokens may be unknown yet. Not
-        # when drafts sure to be accepted would still lower the step's rate at any K: then no estimate
-        # can make drafting pay (a draft model as slow per token as the target: its own time matches
-        # the step's rate, and verifying the draft comes on top). A probe that needs the proposer to
-        # catch up (a draft model's prefill of everything since the request last drafted) costs a
-        # prefill, not a token: at most one such probe per step, the others stay due (otherwise every
-        # request of a c = 32 level comes due together, before the draft's cost is known, and each
-        # prefills its whole context). The catch-up is not priced per token: a batched prefill costs
-        # far less per token than drafting does.
-        # Verification prices count only once measured at this request count: until then a probe is how
-        # they get measured.
+        return ks, best_gain, best_cost
+
+    def _reprobe(self, candidates: list[Candidate], ks: list[int], base_tokens: int, num_rows: int | None,
+                 gain: float, cost: float) -> None:
+        """One probe token for each idle request due one (sets its ks entry)."""
+        # Verification prices count once measured at this request count: until then probes measure them.
         measured = self.cost.measured(num_rows)
         first = self.cost.draft_marginal(base_tokens, num_rows, first=True) if measured else 0.0
         more = self.cost.draft_marginal(base_tokens, num_rows) if measured else 0.0
         hopeless = self._hopeless(gain, cost, first, more)
-        # With gate_probes, a request that has been verified before is re-probed only while the method's
-        # probes are accepted often enough to pay for one at this load (under load an assistant's probes
-        # mostly fail and cost more than they win); a request never verified is probed whenever a sure
-        # draft could pay. (Not for ngram: its probes of requests with a match find copied spans, and the
-        # gate lost it throughput under load.)
         acc = self.acceptance
+        # gate_probes: requests verified before are probed only while probes pay at this load.
         vain = (self.gate_probes and measured and acc.probes_seen >= self.PROBE_MIN_SEEN
                 and acc.probe_yield * cost <= gain * (first + self.draft_cost_per_token))
-        # A sampled request is probed only where drafts accepted at its temperature bucket's running
-        # averages could pay: a sampled draft is accepted with the target's probability of it, so the
-        # bucket's average is what a probe can hope for, and under load probes on a sure draft's hope cost
-        # throughput for nothing. Greedy requests keep the sure-draft rule: their probes find copied spans,
-        # which are accepted whole. Not on a bucket's first few verdicts: two early misses would stop its
-        # probes, and with them the verdicts that could lift its average, for good.
+        # Sampled requests: only where drafts at their bucket's averages could pay.
         vain_bucket: dict[str, bool] = {}
-        catch_up_probe = False
+        catch_up_probe = False  # a catch-up probe costs a prefill: one per step
         for j in sorted(range(len(candidates)), key=lambda j: candidates[j].catch_up):
             c = candidates[j]
             if ks[j] > 0:
-                self.acceptance.note_drafting(c.request_id)
+                acc.note_drafting(c.request_id)
                 continue
             if c.max_k <= 0:
                 continue
             if c.bucket != GREEDY and not hopeless and measured and c.bucket not in vain_bucket:
                 vain_bucket[c.bucket] = (acc.bucket_tries(c.bucket) >= self.BUCKET_MIN_SEEN
                                          and self._hopeless(gain, cost, first, more, c.bucket))
-            heavy = c.catch_up > self.max_k + 1  # more than a verification's worth of tokens
+            heavy = c.catch_up > self.max_k + 1  # more than a verification's tokens
             can_probe = (not hopeless and not vain_bucket.get(c.bucket, False)
                          and not (heavy and catch_up_probe))
             if vain and acc.has_evidence(c.request_id):
                 can_probe = False
-            if self.acceptance.note_idle(c.request_id, can_probe=can_probe):
+            if acc.note_idle(c.request_id, can_probe=can_probe):
                 ks[j] = 1
                 catch_up_probe |= heavy
-        return ks
 
     def drafting_hopeless(self, num_rows: int | None) -> bool:
-        """True when measured prices at this request count (None: the pooled curve, a step of one token)
-        say that drafts sure to be accepted would lower a step's rate at every K: no choice, probe
-        included, can draft, so the engine skips the proposer (its lookups cost ~4-7% of a 4-bit step at
-        8 sampled requests, for nothing)."""
+        """True when measured prices say no K can pay even for sure drafts: the proposer is skipped."""
         if not self.cost.measured(num_rows) or self.cost.draft_price_unknown(num_rows):
             return False
         tokens = num_rows or 1
@@ -339,9 +283,8 @@ class AdaptiveController:
 
     def _hopeless(self, gain: float, cost: float, first: float, more: float,
                   bucket: str | None = None) -> bool:
-        """True when k drafts of one request lower the rate gain / cost for every k (`first`, `more`:
-        verification prices of its first draft token and of each further one): drafts all accepted, or
-        with `bucket`, accepted at that bucket's running averages."""
+        """True when k drafts lower the rate for every k, all accepted (or, with `bucket`, at its averages);
+        `first`, `more`: verification prices of the first draft token and of each further one."""
         d = self.draft_cost_per_token
         expected, reach = 0.0, 1.0
         for k in range(1, self.max_k + 1):
@@ -353,9 +296,7 @@ class AdaptiveController:
         return True
 
     def estimates(self) -> dict[str, float]:
-        """Current cost-model terms, for the metrics gauges: one-token step, the marginal token at 8 and
-        at 64 tokens, the proposer's time per drafted token, and the verification prices of a request's
-        first draft token and of each further one at the last step's request count."""
+        """The cost model's terms for the gauges (docs/monitoring.md), at the last step's request count."""
         c, rows = self.cost, self._last_rows or 1
         return {"step_1_token_seconds": c.predict(1), "step_per_token_at_8_seconds": c.marginal(8),
                 "step_per_token_at_64_seconds": c.marginal(64),

@@ -1,10 +1,6 @@
-"""Per-request back-off: a request whose drafts keep being rejected stops drafting for a while and
-is re-probed later (every method; vllm-metal does this for ngram after 8 misses).
-
-A verification that accepts nothing costs a wider target step for no gain; on free text that loses
-more than the rare hits win. After `miss_limit` consecutive zero-acceptance verifications the request
-skips drafting for `base_skip` steps, doubling on each further miss (up to `max_skip`); any accepted
-draft resets it.
+"""Per-request back-off with static K: after `miss_limit` verifications in a row that accept nothing, a
+request skips drafting for `base_skip` steps, doubling on each further miss (up to `max_skip`); any
+accepted draft resets it. A rejected verification costs a wider step for nothing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""`--speculative-config`: one pydantic model per method, vLLM's keys, failures that name the key.
-
-Parsing happens at start-up; every invalid configuration raises `SpeculativeConfigError` with the
-offending key in the message. There is no silent fallback to plain decoding.
-"""
+"""`--speculative-config`: one pydantic model per method, vLLM's keys; an invalid configuration raises
+`SpeculativeConfigError` at start-up naming the key (no silent fallback)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from engine.spec.rejection import RejectionConfig
 
 Method = Literal["ngram", "suffix", "draft_model", "mtp"]
 
-# Keys users bring over from other places that do not belong here: a message each, not "extra key".
+# Keys users bring over from elsewhere: a message each, not "extra key".
 _MISPLACED = {
     "tensor_parallel_size": "tensor_parallel_size is not allowed inside --speculative-config; the draft "
                             "runs with draft_tensor_parallel_size (only 1 is supported)",
@@ -31,9 +28,8 @@ class SpeculativeConfigError(ValueError):
     pass
 
 
-# "num_speculative_tokens": "auto" drafts at most this many tokens (adaptive.max_num_speculative_tokens
-# overrides it).
-_AUTO_MAX_K = {"ngram": 6, "suffix": 8, "draft_model": 4, "mtp": 3}
+# The most K under "auto" (adaptive.max_num_speculative_tokens overrides it).
+_AUTO_MAX_K = {"ngram": 6, "suffix": 8, "draft_model": 4, "mtp": 3, "eagle3": 3}
 
 
 class AdaptiveConfig(BaseModel):
@@ -42,10 +38,9 @@ class AdaptiveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     max_num_speculative_tokens: int | None = Field(None, ge=1, le=64)
-    # Smoothing of the per-request, per-position acceptance estimate (weight of the newest verification).
+    # Weight of the newest verification in the per-request, per-position acceptance estimate.
     acceptance_ema: float = Field(0.1, gt=0, le=1)
-    # A request that stopped drafting is re-probed after this many idle steps, then twice as many, ... until
-    # the controller chooses drafts for it again.
+    # An idle request is re-probed after this many steps, then twice as many, and so on.
     probe_interval: int = Field(4, ge=1)
 
 
@@ -53,22 +48,18 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     num_speculative_tokens: int = Field(ge=1, le=64)
-    # Turn speculation off when more than this many requests are running (vLLM's
-    # speculative_disable_by_batch_size).
+    # Speculation off above this many running requests (vLLM's speculative_disable_by_batch_size).
     disable_by_batch_size: int | None = Field(None, ge=1)
-    # [[max_batch_size, k], ...] ascending: a batch of b running requests drafts the k of the first
-    # entry with b <= max_batch_size, and none above the last entry.
+    # [[max_batch_size, k], ...] ascending: b running requests draft the k of the first entry with
+    # b <= max_batch_size, none above the last.
     num_speculative_tokens_per_batch_size: list[list[int]] | None = None
     draft_tensor_parallel_size: Literal[1] | None = None
-    # Set when num_speculative_tokens was "auto"; num_speculative_tokens is then the most K can be.
+    # Set under "auto"; num_speculative_tokens is then the most K can be.
     adaptive: AdaptiveConfig | None = None
     max_model_len: int | None = Field(None, ge=16)
     revision: str | None = None
     quantization: str | None = None
-    # How sampled requests' drafts are verified (engine/spec/rejection.py). standard (alias strict):
-    # token by token, lossless; block: block verification, lossless; synthetic: accept each draft with
-    # synthetic_acceptance_rate whatever it is (benchmarking only); typical: accept drafts the target
-    # finds typical enough (lossy, posterior_threshold / posterior_alpha as vLLM's typical sampler).
+    # How sampled requests' drafts are verified (docs/speculative-decoding.md#sampled-requests).
     rejection_sample_method: Literal["standard", "strict", "block", "synthetic", "typical"] = "standard"
     synthetic_acceptance_rate: float | None = Field(None, ge=0, le=1)
     posterior_threshold: float = Field(0.09, ge=0, le=1)
@@ -130,7 +121,7 @@ class NgramConfig(_Base):
     @model_validator(mode="before")
     @classmethod
     def _lookup_defaults(cls, data: Any) -> Any:
-        # vLLM's defaulting: both 5 when both are omitted; one given, the other mirrors it.
+        # vLLM's defaulting: both 5 when both are omitted, else one mirrors the other.
         if isinstance(data, dict):
             lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
             if lo is None and hi is not None:
@@ -165,21 +156,17 @@ class SuffixConfig(_Base):
 
 
 class _ModelDrafter(_Base):
-    # How a drafting model picks sampled requests' drafts (greedy requests always get its argmax).
-    # greedy (the default): its argmax, verified by the coupled rule, so a seeded request's output is plain
-    # decoding's token for token; probabilistic: a draw from its own processed distribution q, verified
-    # with min(1, p/q): accepted more often, but each step costs more (docs/performance.md).
+    # Sampled requests' drafts: greedy (the argmax) or probabilistic (drawn from q; min(1, p/q)).
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
 
 
 class DraftModelConfig(_ModelDrafter):
     method: Literal["draft_model"] = "draft_model"
     model: str = Field(min_length=1)
-    # Share of --kv-cache-memory for the draft's own KV cache (ours, not vLLM's). Unset: a draft block beside
-    # each target block with a static K; a quarter of that with "auto" (engine/core.py, _split_kv_budget).
+    # Share of --kv-cache-memory for the draft's KV cache (ours). Unset: a block beside each target block
+    # with a static K, a quarter of that with "auto".
     draft_kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
-    # The draft's own weight precision (vLLM's key), independent of the target's: q8 / q4 quantize a
-    # float draft at load with MLX's quantizer; unset: the draft as stored.
+    # The draft's weight precision (vLLM's key): q8 / q4 quantize a float draft at load; unset: as stored.
     quantization: Literal["q8", "q4"] | None = None
 
     @property
@@ -194,15 +181,10 @@ class MTPConfig(_ModelDrafter):
     method: Literal["mtp"] = "mtp"
     model: str = Field(min_length=1)
     num_speculative_tokens: int = Field(1, ge=1, le=16)
-    # Ours (like suffix_decoding_min_token_prob): a draft stops at the first token the assistant gives
-    # less probability than this, so unlikely drafts cost no verification. 0: draft every token (as
-    # vllm-metal). Fewer, surer drafts: acceptance rises, drafted tokens fall (docs/mtp.md). A list
-    # gives one cut-off per draft position, the last repeating: [0.35, 0.15] keeps first drafts sure
-    # (position-0 acceptance) and lets surer-than-0.15 continuations ride along (a further draft costs
-    # less to verify than a request's first, so it pays at a lower acceptance).
+    # Ours: a draft stops at the first token below this probability (a list: one cut-off per position, the
+    # last repeating), so unlikely drafts cost no verification (docs/mtp.md).
     draft_min_token_prob: _Prob | Annotated[list[_Prob], Field(min_length=1)] = 0.0
-    # auto: the assistant's passes in C where they apply (engine/spec/mtp_cpu.py), else MLX; mlx: always
-    # the MLX module, the reference the C loop is tested against.
+    # auto: the assistant's passes in C where they apply, else MLX; mlx: always MLX (the C loop's reference).
     draft_backend: Literal["auto", "mlx"] = "auto"
 
     @property
@@ -210,7 +192,22 @@ class MTPConfig(_ModelDrafter):
         return True
 
 
-SpeculativeConfig = Annotated[NgramConfig | SuffixConfig | DraftModelConfig | MTPConfig,
+class Eagle3Config(_Base):
+    method: Literal["eagle3"] = "eagle3"
+    model: str = Field(min_length=1)
+    num_speculative_tokens: int = Field(1, ge=1, le=16)
+    # The target layers whose inputs the head fuses (the checkpoint's, else 2, L // 2, L - 3).
+    eagle_aux_hidden_state_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)] | None = None
+    draft_kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
+    # Drafts are the head's argmax; sampled requests verify them with the coupled rule.
+    draft_sample_method: Literal["greedy"] = "greedy"
+
+    @property
+    def needs_model(self) -> bool:
+        return True
+
+
+SpeculativeConfig = Annotated[NgramConfig | SuffixConfig | DraftModelConfig | MTPConfig | Eagle3Config,
                               Field(discriminator="method")]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(SpeculativeConfig)
 
@@ -218,13 +215,13 @@ _ADAPTER: TypeAdapter[Any] = TypeAdapter(SpeculativeConfig)
 def _format(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
-        loc = [str(x) for x in err["loc"] if x not in ("ngram", "suffix", "draft_model", "mtp")]
+        loc = [str(x) for x in err["loc"] if x not in ("ngram", "suffix", "draft_model", "mtp", "eagle3")]
         key = ".".join(loc) or "speculative_config"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         elif err["type"] == "union_tag_invalid":
-            key, msg = "method", "must be one of ngram, suffix, draft_model, mtp"
+            key, msg = "method", "must be one of ngram, suffix, draft_model, mtp, eagle3"
         parts.append(f"{key}: {msg}")
     return "; ".join(parts)
 
@@ -254,10 +251,13 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> Any:
             data = {**data, "method": "draft_model"}
         else:
             raise SpeculativeConfigError(
-                "invalid --speculative-config: method: missing (one of ngram, suffix, draft_model, mtp), "
-                "and no model to infer it from")
+                "invalid --speculative-config: method: missing (one of ngram, suffix, draft_model, mtp, "
+                "eagle3), and no model to infer it from")
     method = data.get("method")
-    if method in ("draft_model", "mtp") and not data.get("model"):
+    if method == "eagle":
+        raise SpeculativeConfigError("invalid --speculative-config: method: EAGLE-1 heads ('eagle') are not "
+                                     "supported; EAGLE-3 heads are ('eagle3')")
+    if method in ("draft_model", "mtp", "eagle3") and not data.get("model"):
         raise SpeculativeConfigError(f"invalid --speculative-config: model: method {method!r} needs a model")
     if method in ("ngram", "suffix") and "model" in data and data["model"] not in (None, method):
         raise SpeculativeConfigError(f"invalid --speculative-config: model: method {method!r} takes no model")

@@ -1,13 +1,5 @@
-"""The adaptive controller's step cost model, learned online from the engine's own decode/verify steps.
-
-`StepCostModel`: target step seconds as a function of the step's tokens at its number of requests,
-piecewise linear through a smoothed point per token-count bucket (`TokenCurve`) of the steps with that
-many requests (a pooled curve, then a prior line, while those are unknown); the prices of a request's
-first draft token and of each further one from a least-squares fit of the changes between consecutive
-such steps in requests, drafting requests and draft tokens (`DraftPriceFit`: differences cancel the
-machine's drift), once their draft counts have varied (until then a nearby request count's prices).
-Pure Python; engine/spec/adaptive.py decides with it.
-"""
+"""The adaptive controller's step cost model, learned online from decode/verify steps: step seconds by tokens
+and request count, and draft-token prices (docs/speculative-decoding.md#adaptive-k)."""
 
 from __future__ import annotations
 
@@ -20,13 +12,7 @@ def _bucket(n: int) -> int:
 
 
 class TokenCurve:
-    """Step seconds as a function of the step's tokens.
-
-    The curve is not a line on a CPU: a few rows cost almost one row's weight streaming, more rows move
-    the matmuls into an efficient GEMM regime, and long prefill chunks are compute-bound. So the model
-    keeps a smoothed (tokens, seconds) point per token-count bucket (exact up to 8 tokens, then powers of
-    two) and interpolates between them, monotone, extrapolating with the outer segments' slopes; a prior
-    line stands in until two buckets are known."""
+    """Step seconds by tokens: a smoothed point per token-count bucket, interpolated monotonely."""
 
     def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2,
                  min_slope: float = 1e-5) -> None:
@@ -36,7 +22,6 @@ class TokenCurve:
         self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, count]
         self._points: list[tuple[float, float]] | None = None
 
-
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
@@ -44,7 +29,7 @@ class TokenCurve:
         if b is None:
             self._buckets[_bucket(num_tokens)] = [float(num_tokens), seconds, 1.0]
         else:
-            a = max(self.ema, 1.0 / (b[2] + 1))  # plain mean for the first few, then an EMA
+            a = max(self.ema, 1.0 / (b[2] + 1))  # a mean for the first few, then an EMA
             b[0] += a * (num_tokens - b[0])
             b[1] += a * (seconds - b[1])
             b[2] += 1
@@ -83,44 +68,22 @@ class TokenCurve:
 
 
 class DraftPriceFit:
-    """Draft prices at one request-count bucket: a recency-weighted least-squares fit of the change in
-    step seconds between consecutive steps = a + b * change in requests + c1 * change in requests
-    drafting + c2 * change in draft tokens. A request's first draft token costs c1 + c2, each further
-    one c2.
-
-    Why changes between neighbouring steps, not the step times themselves: a shared machine's speed
-    drifts within seconds by more than a draft costs, and the controller's own choices follow its
-    prices, so drafts rose while the machine sped up. A fit of levels read that as drafts that cost
-    nothing, and auto drafted at an acceptance that could not pay. A difference of two steps a quarter
-    second apart cancels the drift; pairs whose drafts did not change say nothing about them and are
-    left out, so a steady stretch keeps its prices instead of forgetting them.
-
-    Why two draft terms: a request that drafts turns its one-token row into a multi-token query, and
-    that costs more than the tokens do: a request's first draft token costs several times each one
-    after it, so one price per token overprices deep drafts and underprices shallow ones. Why requests
-    as a term: a bucket above 8 spans many request counts (17-32), and a request that finishes changes
-    the step by more than its drafts did. While the drafting-request count has not varied apart from
-    the draft count (every drafting request took the same K), the fit keeps one price per token
-    (c1 = 0)."""
+    """Draft prices at one request-count bucket: a recency-weighted least-squares fit of step-time changes
+    = a + b * d(requests) + c1 * d(requests drafting) + c2 * d(draft tokens); a first draft costs c1 + c2."""
 
     def __init__(self, decay: float = 0.97, min_spread: float = 16.0,
                  min_request_spread: float = 8.0, split_only: bool = False) -> None:
-        # `split_only`: prices only once the first and further drafts were told apart (one request: see
-        # StepCostModel.draft_prices).
         self.split_only = split_only
         self.decay = decay  # per informative pair: ~33 pairs of memory
-        # Weighted sum of squares of draft-count changes (about their mean) needed to trust c2: the price's
-        # error is the pairs' noise over its square root. A sum, not a variance: drafts move by 1-2 a
-        # step at a few requests, and more pairs of those do make a price.
+        # Spread of draft-count (and drafting-request) changes: what c2 and c1 can be trusted on.
         self.min_spread = min_spread
-        # ... and of drafting-request changes not explained by draft-count changes, to trust c1.
         self.min_request_spread = min_request_spread
         self._xx = [[0.0] * 4 for _ in range(4)]
         self._xy = [0.0] * 4
         self._prev: tuple[tuple[float, float, float], float] | None = None
-        self._fitted = False  # prices() is asked once per candidate draft token: solve once per step
+        self._fitted = False  # solve once per step, not per candidate
         self._prices: tuple[float, float] | None = None
-        self._split: tuple[float, float] | None = None  # the last fit that told the two prices apart
+        self._split: tuple[float, float] | None = None  # the last fit that told the prices apart
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float,
                 num_drafting: int | None = None, follows: bool = True) -> None:
@@ -147,9 +110,7 @@ class DraftPriceFit:
         return self._xx[0][0]
 
     def prices(self) -> tuple[float, float] | None:
-        """(first draft token of a request, each further one) in seconds; None while draft counts have
-        not varied enough to tell them apart from the rest of the step (with `split_only`: or while the
-        two prices have never been told apart)."""
+        """(first draft, each further one) in seconds; None until draft counts have varied enough."""
         if not self._fitted:
             self._prices, self._fitted = self._fit(), True
         if self.split_only and self._prices is not self._split:
@@ -170,19 +131,17 @@ class DraftPriceFit:
             if coef is not None and coef[2] >= 0 and coef[3] > 0:
                 self._split = (coef[2] + coef[3], coef[3])
                 return self._split
-            # A first draft cheaper than the next ones, or a further one that costs nothing, is noise.
+            # A first draft cheaper than the next, or a free further one, is noise.
         if self._split is not None:
-            # Steady load (every step ~the same requests drafting, only the draft count moving) cannot
-            # tell the two prices apart: keep the last split rather than one mean price, which
-            # overprices further drafts and stops K short.
+            # Steady load cannot tell the prices apart: keep the last split.
             return self._split
         coef = self._lsq((0, 1, 3))
-        # A negative price is noise in a few steps, not free drafts.
+        # A negative price is noise, not free drafts.
         return None if coef is None or coef[2] <= 0 else (coef[2], coef[2])
 
     def _lsq(self, terms: tuple[int, ...]) -> list[float] | None:
         a = [[self._xx[i][j] for j in terms] for i in terms]
-        # Ridge: where the request count never changed between paired steps its term is all zeros.
+        # Ridge: a request count that never changed leaves its term all zeros.
         a[1][1] += 1e-6 * (a[1][1] + 1.0)
         for k in range(2, len(terms)):
             a[k][k] += 1e-9 * (a[k][k] + 1.0)
@@ -209,25 +168,16 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class StepCostModel:
-    """Step seconds as a function of the step's tokens and of how many requests (rows) it serves,
-    learned from the engine's own steps.
-
-    Tokens alone do not say what a step costs: every request adds its own attention over its context
-    and per-request work, so 3 requests x 1 token cost far more than 1 request x 3 tokens. Drafting
-    adds tokens to a step whose request count is fixed, so the marginal cost of a draft must come from
-    steps with that many requests. One curve per request-count bucket (exact up to 8, then powers of
-    two), plus a pooled curve over all steps that stands in while a bucket is thin: with one known
-    point the bucket is the pooled curve's shape shifted through it."""
+    """Step seconds by tokens and requests: a `TokenCurve` and a `DraftPriceFit` per request-count bucket."""
 
     def __init__(self, prior: tuple[float, float] = (0.035, 0.007), ema: float = 0.2) -> None:
         self._prior, self._ema = prior, ema
         self.pooled = TokenCurve(prior, ema)
         self._by_rows: dict[int, TokenCurve] = {}
         self._draft_fit: dict[int, DraftPriceFit] = {}
-        # A bucket's own draft prices count once fitted on this many (decayed) step pairs; before that a
-        # fit on two or three steps has seen one K mix and prices every draft like a request's first.
+        # Step pairs before a bucket's own fit counts: fewer have seen one K mix only.
         self.own_fit_steps = 6.0
-        self._last_bucket: int | None = None  # the bucket of the step just observed, for step pairs
+        self._last_bucket: int | None = None  # the last step's bucket, for step pairs
 
     def observe(self, num_tokens: int, seconds: float, num_rows: int | None = None,
                 num_drafting: int | None = None) -> None:
@@ -252,8 +202,7 @@ class StepCostModel:
         self._last_bucket = None
 
     def interrupt(self) -> None:
-        """A step the draft fits do not see (one with a prefill chunk) came between: the next step pairs
-        with nothing."""
+        """A step the draft fits do not see (a prefill chunk) came between."""
         self._last_bucket = None
 
     def predict(self, num_tokens: float, num_rows: int | None = None) -> float:
@@ -272,8 +221,7 @@ class StepCostModel:
                    self.pooled.min_slope)
 
     def measured(self, num_rows: int | None = None) -> bool:
-        """Whether draft prices at this request count come from steps (a fit, or a curve through at least
-        two points) rather than from a prior."""
+        """Whether draft prices at this request count come from steps rather than a prior."""
         if num_rows:
             curve = self._by_rows.get(_bucket(num_rows))
             if self.draft_prices(num_rows) is not None:
@@ -282,21 +230,14 @@ class StepCostModel:
         return len(self.pooled.points()) >= 2
 
     def draft_marginal(self, num_tokens: float, num_rows: int | None = None, first: bool = False) -> float:
-        """Seconds one more draft token adds to a decode step serving `num_rows` requests (`first`: the
-        request's first draft this step): the fitted prices of `draft_prices`, else the token curve's
-        local slope."""
+        """Seconds one more draft token adds at `num_rows` requests (`first`: the request's first draft)."""
         p = self.draft_prices(num_rows)
         if p is None:
             return self.marginal(num_tokens, num_rows)
         return max(p[0] if first else p[1], self.pooled.min_slope)
 
     def draft_price_unknown(self, num_rows: int | None) -> bool:
-        """True where nothing measured prices a draft at this request count: no settled fit here or within
-        a factor of two, and no token curve that varies drafts alone (a request count of 8 or fewer with
-        two points). There the curve's slope is a guess, and a bad one either way: above 8 requests, or
-        with one point (the pooled curve's shape), the token axis mixes requests with drafts and priced
-        a draft at several times, or a tiny fraction of, its cost; auto then drafted almost nothing
-        through a c = 32 wave's ramp where static K = 4 more than doubled its tokens per step."""
+        """True where nothing measured prices a draft at this request count."""
         if not num_rows or self._settled_prices(num_rows) is not None:
             return False
         b = _bucket(num_rows)
@@ -304,17 +245,11 @@ class StepCostModel:
         return not (b <= 8 and curve is not None and len(curve.points()) >= 2)
 
     def draft_prices(self, num_rows: int | None) -> tuple[float, float] | None:
-        """The fitted (first, further) draft prices at this request count; for its first steps (a new load
-        level), those of the nearest bucket within a factor of two that has settled prices. Why borrow: at
-        a new level the token curve's slope, or a fit on two or three steps of one K mix, prices every
-        draft like a request's first, several times what further drafts cost: auto then drafted far
-        less than static K = 4 through a whole wave."""
+        """The fitted (first, further) draft prices here, else the nearest settled bucket's within 2x."""
         if not num_rows:
             return None
         if num_rows == 1:
-            # One request: its token curve prices each K exactly (1 + K tokens), the dear first draft
-            # apart from the cheap next ones; one price per token from a fit that cannot tell them apart
-            # (drafting moves with the drafts) would stop K at 1.
+            # One request: only a fit that splits first from further drafts (one price would stop K at 1).
             fit = self._draft_fit.get(1)
             return fit.prices() if fit is not None else None
         settled = self._settled_prices(num_rows)
@@ -324,8 +259,7 @@ class StepCostModel:
         return fit.prices() if fit is not None else None
 
     def _settled_prices(self, num_rows: int) -> tuple[float, float] | None:
-        """This bucket's prices once fitted on `own_fit_steps` steps, else the nearest settled bucket's
-        within a factor of two, else None."""
+        """This bucket's prices once fitted on `own_fit_steps`, else the nearest settled within 2x."""
         b = _bucket(num_rows)
         fit = self._draft_fit.get(b)
         own = fit.prices() if fit is not None else None

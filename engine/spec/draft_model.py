@@ -1,11 +1,5 @@
-"""A second (small) model drafts K tokens autoregressively over its own paged KV cache.
-
-The draft's KV blocks come out of the same memory budget as the target's (engine/core.py splits it).
-Per request we remember where the last proposal started and what was fed, so the next call keeps
-exactly the draft KV whose tokens were accepted and recomputes the rest: rollback by position,
-nothing copied. When the pool is short, the requests drafted for longest ago give their blocks back
-and catch up (prefill their context again) if they draft later.
-"""
+"""A small model drafts K tokens over its own paged KV cache, out of the target's memory budget. Rollback is
+by position; when the pool is short, the requests drafted for longest ago give their blocks back."""
 
 from __future__ import annotations
 
@@ -17,9 +11,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.attention.cpu import cpu_paged_attention
 from engine.attention.reference import paged_attention_reference
 from engine.attention.selector import cpu_attention_fits
+from engine.cpu.attention import cpu_paged_attention
 from engine.cpu.layers import build_stack
 from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache
@@ -64,9 +58,8 @@ class DraftModelProposer:
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int,
                  attention_fn: Callable[..., mx.array] = paged_attention_reference,
                  probabilistic: bool = False) -> None:
-        """`attention_fn`: the target's attention backend; the draft runs the reference path instead
-        where the C kernel cannot read its cache (another dtype). `probabilistic`: sampled requests'
-        drafts are drawn from the draft model's distribution (draft_sample_method), not its argmax."""
+        """`attention_fn`: the target's attention backend (the reference path where the C kernel cannot read
+        the draft's cache). `probabilistic`: sampled requests' drafts are drawn, not the argmax."""
         model = draft.model
         self.probabilistic = probabilistic
         self.vocab_size = draft.vocab_size
@@ -76,11 +69,10 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         if attention_fn is cpu_paged_attention and cpu_attention_fits(self.kv_cache) is not None:
             attention_fn = paged_attention_reference
-        self.runner = ModelRunner(model, self.kv_cache, attention_fn)
-        # The draft's decoder layers in C where they apply, as the target's (engine/cpu/layers.py).
-        self.runner.stack, _ = build_stack(model, self.kv_cache, layout.windows,
-                                           attention_fn is cpu_paged_attention, draft.config,
-                                           act_int8=uses_int8_activations(model))
+        # The draft's decoder layers in C where they apply.
+        stack, _ = build_stack(model, self.kv_cache, layout.windows, attention_fn is cpu_paged_attention,
+                               draft.config, act_int8=uses_int8_activations(model))
+        self.runner = ModelRunner(model, self.kv_cache, attention_fn, stack=stack)
         self._state: dict[str, _State] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first
         self.num_evictions = 0
@@ -149,8 +141,8 @@ class DraftModelProposer:
         return drafts
 
     def _allocate(self, r: DraftRequest, c: int, keep: set[str]) -> bool:
-        """Slots for the unfed confirmed tokens and the K-1 drafts fed back; when the pool is short, the
-        least recently drafted request outside this call gives its blocks back, until it fits."""
+        """Slots for the unfed confirmed tokens and the K-1 drafts fed back; when the pool is short, the least
+        recently drafted request outside this call gives its blocks back."""
         n = len(r.token_ids)
         while not self.kv.allocate_slots(r.request_id, c, n - c + r.num_drafts - 1):
             victim = next((rid for rid in self._recent if rid not in keep), None)

@@ -1,15 +1,12 @@
-"""Drafts drawn by a model drafter (`draft_sample_method: probabilistic`), shared by draft_model and mtp.
-
-Per draft pass, sampled requests' rows are drawn from the drafter's own distribution q processed with the
-request's settings (engine/sampler.py `draft_sample`); greedy requests keep the argmax. The q rows are kept
-per request so that the runner's rejection rule can accept with min(1, p/q).
-"""
+"""Drafts drawn by a model drafter (`draft_sample_method: probabilistic`): sampled requests draw from the
+drafter's distribution q, kept for the rejection rule; greedy ones keep the argmax."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu.host import int_list
 from engine.sampler import draft_sample
 from engine.spec.proposer import DraftRequest
 
@@ -23,17 +20,16 @@ class DraftDraws:
     """One `propose` call's draws: tokens per pass, and each sampled request's q rows."""
 
     def __init__(self, vocab_size: int, head_token_ids: mx.array | None = None) -> None:
-        """`vocab_size`: the target's logit width (q rows are that wide); `head_token_ids`: the vocabulary
-        id of each drafter logit column when the drafter scores a reduced vocabulary."""
+        """`vocab_size`: the target's logit width; `head_token_ids`: each drafter column's token id where it
+        scores a reduced vocabulary."""
         self.vocab_size = vocab_size
         self.head_ids = np.asarray(head_token_ids) if head_token_ids is not None else None
         self.rows: dict[str, list[np.ndarray]] = {}
 
     def choose(self, logits: mx.array, requests: list[DraftRequest], step: int,
                probabilistic: list[bool]) -> list[int]:
-        """logits [n, columns] of draft pass `step` (0-based) for `requests` -> one vocabulary id per row:
-        a draw where `probabilistic`, else the argmax."""
-        tokens: list[int] = mx.argmax(logits, axis=-1).tolist()
+        """logits [n, columns] of draft pass `step` -> one token id per row, drawn where `probabilistic`."""
+        tokens = int_list(mx.argmax(logits, axis=-1))
         drawn = [i for i, p in enumerate(probabilistic) if p]
         if drawn:
             params = [requests[i].params for i in drawn]
@@ -59,6 +55,6 @@ class DraftDraws:
         return out
 
     def result(self, lengths: dict[str, int]) -> dict[str, np.ndarray]:
-        """request id -> q [drafts, vocab] for the sampled requests, cut to their drafts' `lengths`."""
+        """request id -> q [drafts, vocab] for sampled requests, cut to `lengths`."""
         return {rid: np.stack(rows[: lengths[rid]]) for rid, rows in self.rows.items()
                 if lengths.get(rid, 0) > 0}

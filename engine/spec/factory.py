@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.models.loader import LoadedModel
-from engine.runner import ModelRunner
-from engine.spec.config import DraftModelConfig, MTPConfig, NgramConfig, SuffixConfig
+from engine.config import DType
+from engine.kv.cache import PagedKVCache
+from engine.models.eagle3 import LoadedEagle3, load_eagle3
+from engine.models.loader import LoadedModel, load_model
+from engine.models.mtp_assistant import load_assistant
+from engine.spec.config import DraftModelConfig, Eagle3Config, MTPConfig, NgramConfig, SuffixConfig
+from engine.spec.draft_model import DraftModelProposer, check_draft_compatible
+from engine.spec.eagle3 import Eagle3Proposer
+from engine.spec.mtp import MTPProposer
+from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import Proposer
+from engine.spec.suffix import SuffixProposer
+
+Draft = LoadedModel | LoadedEagle3  # what has its own KV cache beside the target's
 
 
-def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool,
-               share_target: bool = True) -> LoadedModel | None:
-    """Load and check the draft model of a draft_model config (None for model-free methods).
-    `share_target`: the target as its own draft reuses the target's weights (not when they are a
-    tensor-parallel slice: the draft runs whole on rank 0)."""
+def load_draft(spec: Any, target: LoadedModel, dtype: DType, progress: bool,
+               share_target: bool = True) -> Draft | None:
+    """Load and check the draft model of a draft_model config or the head of an eagle3 one (None for the
+    other methods). `share_target`: the target as its own draft reuses the target's weights (not when
+    they are a tensor-parallel slice: the draft runs whole on rank 0)."""
+    if isinstance(spec, Eagle3Config):
+        try:
+            return load_eagle3(spec.model, target, spec.revision, spec.eagle_aux_hidden_state_layer_ids)
+        except OSError as e:
+            raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
     if isinstance(spec, MTPConfig):
         return None  # the assistant reads the target's KV: loaded by build_proposer, next to the runner
     if not isinstance(spec, DraftModelConfig):
         return None
-    from engine.models.loader import load_model
-    from engine.spec.draft_model import check_draft_compatible
-
     same = Path(spec.model).expanduser().resolve() == Path(target.path).resolve() or spec.model == target.name
     if same and spec.quantization is None and share_target:
         draft = target  # the target as its own draft shares weights, not KV
@@ -36,36 +49,41 @@ def load_draft(spec: Any, target: LoadedModel, dtype: str, progress: bool,
     return draft
 
 
-def build_proposer(spec: Any, draft: LoadedModel | None, num_blocks: int, block_size: int,
-                   target: LoadedModel | None = None, runner: ModelRunner | None = None) -> Proposer:
-    if isinstance(spec, NgramConfig):
-        from engine.spec.ngram import NgramProposer
+def draft_bytes_per_block(draft: Draft, block_size: int) -> int:
+    if isinstance(draft, LoadedEagle3):
+        return Eagle3Proposer.bytes_per_block(draft, block_size)
+    return DraftModelProposer.bytes_per_block(draft, block_size)
 
+
+def build_proposer(spec: Any, draft: Draft | None, num_blocks: int, block_size: int,
+                   target: LoadedModel | None = None, kv: PagedKVCache | None = None,
+                   attention_fn: Callable[..., Any] | None = None) -> Proposer:
+    """`kv`: the target's paged KV (MTP assistants read it); `attention_fn`: the target's attention
+    backend, which a draft model runs too where it can."""
+    if isinstance(spec, NgramConfig):
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if isinstance(spec, SuffixConfig):
-        from engine.spec.suffix import SuffixProposer
-
         return SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                               spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+    if isinstance(spec, Eagle3Config):
+        assert isinstance(draft, LoadedEagle3)
+        if attention_fn is None:
+            return Eagle3Proposer(draft, num_blocks, block_size)
+        return Eagle3Proposer(draft, num_blocks, block_size, attention_fn)
     if isinstance(spec, DraftModelConfig):
-        from engine.spec.draft_model import DraftModelProposer
-
-        assert draft is not None
+        assert isinstance(draft, LoadedModel)
         probabilistic = spec.draft_sample_method == "probabilistic"
-        if runner is None:
+        if attention_fn is None:
             return DraftModelProposer(draft, num_blocks, block_size, probabilistic=probabilistic)
-        return DraftModelProposer(draft, num_blocks, block_size, runner.caches[0].attention_fn, probabilistic)
+        return DraftModelProposer(draft, num_blocks, block_size, attention_fn, probabilistic)
     if isinstance(spec, MTPConfig):
-        from engine.models.mtp_assistant import load_assistant
-        from engine.spec.mtp import MTPProposer
-
-        if target is None or runner is None:
-            raise ValueError("method 'mtp' needs the target model and its runner")
+        if target is None or kv is None:
+            raise ValueError("method 'mtp' needs the target model and its KV cache")
         try:
             assistant = load_assistant(spec.model, target, spec.revision)
         except OSError as e:
             raise ValueError(f"invalid --speculative-config: model: cannot load {spec.model!r}: {e}") from e
-        return MTPProposer(assistant, target, runner, spec.draft_min_token_prob,
+        return MTPProposer(assistant, target, kv, spec.draft_min_token_prob,
                            use_c=spec.draft_backend == "auto",
                            probabilistic=spec.draft_sample_method == "probabilistic")
     raise ValueError(f"unsupported speculative method {spec.method!r}")

@@ -1,14 +1,6 @@
-"""MTP proposer: an assistant drafts from the target's own last hidden state and paged KV.
-
-The runner keeps, per request, the target's final-norm hidden state of the row that produced the
-newest token (`ModelRunner.mtp_hidden`); the assistant's queries sit at the newest token's position
-and attend over the target KV before it. K > 1 feeds `post_projection`'s output back as the next
-hidden state at the same position. Nothing is written to any KV cache, so nothing needs rollback.
-With `min_token_prob` > 0 a draft ends at its first token the assistant gives less than that probability
-(its probabilities are calibrated by the distillation loss): those drafts mostly fail and cost verification.
-A list gives one cut-off per draft position (the last repeating). Trained assistants on x86-64 CPUs
-draft through a C loop (engine/spec/mtp_cpu.py) with the same passes and cut-offs.
-"""
+"""MTP proposer: an assistant drafts from the target's hidden row behind the newest token, attending over the
+target's paged KV; K > 1 feeds its output back as the next hidden state. It writes no KV (nothing to roll
+back)."""
 
 from __future__ import annotations
 
@@ -18,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention.types import build_metadata
+from engine.cpu import mtp as mtp_cpu
+from engine.cpu.host import bool_list, int_list, int_rows
+from engine.kv.cache import PagedKVCache
 from engine.models.loader import LoadedModel
 from engine.models.mtp_assistant import LoadedAssistant, make_caches
-from engine.runner import ModelRunner
-from engine.spec import mtp_cpu
 from engine.spec.draft_sampling import DraftDraws, samples
 from engine.spec.proposer import DraftRequest
 
@@ -32,35 +25,31 @@ _Active = tuple[int, DraftRequest, int, mx.array]
 
 
 def top_token_prob(logits: mx.array) -> mx.array:
-    """[N, V] logits -> [N]: the probability of the argmax token, what `min_token_prob` is compared with
-    (train-assistant reports its held-out calibration with the same function)."""
+    """[N, V] logits -> [N]: the argmax's probability, compared with `min_token_prob`."""
     return mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
 
 
 class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
 
-    def __init__(self, assistant: LoadedAssistant, target: LoadedModel, runner: ModelRunner,
+    def __init__(self, assistant: LoadedAssistant, target: LoadedModel, kv: PagedKVCache,
                  min_token_prob: float | list[float] = 0.0, use_c: bool = True,
                  probabilistic: bool = False) -> None:
-        """`probabilistic`: sampled requests' drafts are drawn from the assistant's distribution
-        (draft_sample_method); with the C passes a step with such a request runs them one at a time."""
+        """`probabilistic`: sampled requests' drafts are drawn from the assistant's distribution (the C passes
+        then run one at a time)."""
         self.assistant = assistant
         self.probabilistic = probabilistic
         self.vocab_size = target.vocab_size
         self._probs: dict[str, np.ndarray] = {}
         # Cut-off per draft position; positions past the list use its last value.
         self.cuts = list(min_token_prob) if isinstance(min_token_prob, list) else [min_token_prob]
-        self.runner = runner
-        if runner.mtp_hidden is None:
-            runner.mtp_hidden = {}
-        self.hidden = runner.mtp_hidden
+        self.kv = kv
         inner = target.model.model
         self.embed_tokens = inner.embed_tokens
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
-        # The C pass where it applies (engine/spec/mtp_cpu.py); the MLX module otherwise.
+        # The C pass where it applies (engine/cpu/mtp.py); the MLX module otherwise.
         self.cpu: mtp_cpu.CpuAssistant | None = None
-        self.cpu_reason = (mtp_cpu.unsupported_reason(assistant, runner.kv, self.embed_tokens) if use_c
+        self.cpu_reason = (mtp_cpu.unsupported_reason(assistant, kv, self.embed_tokens) if use_c
                            else "draft_backend: mlx")
         if self.cpu_reason is None:
             try:
@@ -83,28 +72,25 @@ class MTPProposer:
 
     def draft(self, requests: list[DraftRequest],
               keep_logits: bool = False) -> tuple[list[list[int]], list[mx.array]]:
-        """Drafts per request, and (keep_logits) the assistant logits per step [N_active, head rows]
-        (the full vocabulary unless the assistant's head scores a reduced one: `head_token_ids`)."""
+        """Drafts per request, and (keep_logits) the assistant logits per step [N_active, head rows]."""
         self._probs = {}
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[_Active] = []
         for i, r in enumerate(requests):
-            entry = self.hidden.get(r.request_id)
             pos = len(r.token_ids) - 1
-            # The kept hidden state must be the one that produced the newest token (else no drafts).
-            if entry is None or entry[0] != pos or pos < 1 or r.block_table is None:
-                continue
-            active.append((i, r, pos, entry[1]))
+            # The hidden row must be the one that produced the newest token (else no drafts).
+            if r.hidden is not None and r.hidden.position == pos >= 1 and r.block_table is not None:
+                active.append((i, r, pos, r.hidden.row))
         if not active:
             return drafts, []
         drawn = [samples(r, self.probabilistic) for _, r, _, _ in active]
         if self.cpu is not None and not keep_logits:
             self._draft_cpu(active, drafts, drawn)
             return drafts, []
-        kv = self.runner.kv
-        # Queries sit at `pos`; the mask is built one position earlier so keys stop at pos - 1
-        # (the newest token has no target KV yet) and a sliding window keeps the last w keys.
-        meta = build_metadata([(pos - 1, 1, r.block_table) for _, r, pos, _ in active], kv.block_size)
+        kv = self.kv
+        # Queries sit at `pos`; the mask is built one position earlier, so keys stop at pos - 1 (the newest
+        # token has no target KV yet).
+        meta = build_metadata([(pos - 1, 1, r.block_table or []) for _, r, pos, _ in active], kv.block_size)
         positions = meta.positions + 1  # [N] query positions (RoPE)
         caches = make_caches(self.assistant, kv, meta)
         toks = mx.array([r.token_ids[-1] for _, r, _, _ in active], dtype=mx.int32)
@@ -136,7 +122,7 @@ class MTPProposer:
         tokens = mx.stack(steps, axis=1)  # [N, steps run]
         counts = mx.stack(sure, axis=1).sum(axis=1) if sure else mx.full((len(active),), len(steps))
         mx.eval(tokens, counts)  # one evaluation for both
-        out, lengths = tokens.tolist(), counts.tolist()
+        out, lengths = int_rows(tokens), int_list(counts)
         for (i, r, _, _), row, n in zip(active, out, lengths, strict=True):
             drafts[i] = row[: min(r.num_drafts, int(n))]
         if draws is not None:
@@ -144,21 +130,20 @@ class MTPProposer:
         return drafts, all_logits
 
     def _draft_cpu(self, active: list[_Active], drafts: list[list[int]], drawn: list[bool]) -> None:
-        """`draft` through the C passes: the same cut-offs and early stop as the MLX path. One call runs
-        every pass unless a request draws its drafts (`drawn`): then the passes run one at a time, the
-        tokens chosen in Python between them."""
+        """`draft` through the C passes, with the same cut-offs and early stop; one call runs every pass
+        unless a request draws its drafts (then one pass at a time)."""
         assert self.cpu is not None
         draws_of = {a[0]: d for a, d in zip(active, drawn, strict=True)}
-        kv = self.runner.kv
-        # The C loop reads keys 0..pos-1 through the block table without bounds checks: a table too short
-        # for its position (never expected) gets no drafts here instead of a read past its end.
+        kv = self.kv
+        # The C loop reads keys without bounds checks: a table too short for its position gets no drafts.
         active = [a for a in active if a[2] <= len(a[1].block_table or []) * kv.block_size]
         if not active:
             return
         reqs = [r for _, r, _, _ in active]
         tables = np.zeros((len(reqs), max(len(r.block_table or []) for r in reqs)), dtype=np.int32)
         for row, r in enumerate(reqs):
-            tables[row, : len(r.block_table or [])] = r.block_table
+            assert r.block_table is not None  # `draft` keeps only requests with a block table
+            tables[row, : len(r.block_table)] = r.block_table
         hidden = np.asarray(mx.stack([h for _, _, _, h in active]).astype(mx.float32))
         keys, values = kv.blocks(self.assistant.target_layers[0])
         positions = [p for _, _, p, _ in active]
@@ -180,7 +165,7 @@ class MTPProposer:
             hidden[going] = rows_hidden
             chosen = draws.choose(logits, [reqs[g] for g in going], j,
                                   [draws_of[active[g][0]] for g in going])
-            sure = (top_token_prob(logits) >= self.cuts[min(j, len(self.cuts) - 1)]).tolist()
+            sure = bool_list(top_token_prob(logits) >= self.cuts[min(j, len(self.cuts) - 1)])
             still = []
             for g, t, ok in zip(going, chosen, sure, strict=True):
                 if not ok:
@@ -198,4 +183,4 @@ class MTPProposer:
         return 0  # nothing to recompute before drafting
 
     def release(self, request_id: str, finished: bool) -> None:
-        self.hidden.pop(request_id, None)
+        pass  # the hidden rows ride on the draft requests: nothing kept here

@@ -9,14 +9,12 @@ from engine.spec.proposer import DraftRequest
 
 
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """tokens: [n] int. Longest suffix match wins; among equally long ones the one whose earlier tokens
-    go on agreeing with the context longest (up to `_CONTEXT_CAP` more), then the most recent."""
+    """tokens: [n] int. The longest suffix match wins; ties go to the one agreeing with the context longest
+    further back (up to `_CONTEXT_CAP`), then the most recent."""
     n = tokens.shape[0]
     if n < min_n + 1 or k < 1:
         return []
-    # Match ends: earlier positions holding the last token, each with a follower. Each pass keeps the
-    # ends whose match extends one token further back: one compare over the context, then a few over the
-    # (few) ends, instead of a window compare over the context per length (it runs per request per step).
+    # Match ends: earlier positions holding the last token, kept while the match extends one further back.
     ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
     longest = min(max_n, n - 1)
     length, best, best_len = 1, ends[:0], 0
@@ -30,8 +28,7 @@ def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list
     if not best.size:
         return []
     ends, length = best, best_len
-    # Ties: the match whose earlier tokens agree with the context's for the most positions is the place
-    # being copied (a text with repeated phrases matches several places within prompt_lookup_max tokens).
+    # Ties: the match agreeing with the context the longest is the place being copied.
     for back in range(length, length + min(_CONTEXT_CAP, n - length)):
         if ends.size == 1:
             break
@@ -48,14 +45,13 @@ _CONTEXT_CAP = 64
 
 
 def _extend(tokens: np.ndarray, ends: np.ndarray, back: int) -> np.ndarray:
-    """The match ends whose token `back` places before them equals the one `back` before the context's
-    last token."""
+    """The match ends whose token `back` places before equals the one `back` before the context's last."""
     ends = ends[ends >= back]
     return ends[tokens[ends - back] == tokens[tokens.shape[0] - 1 - back]]
 
 
 class NgramProposer:
-    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+    drafts_before_choice = True  # a lookup
     filters_drafts = False
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:

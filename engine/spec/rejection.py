@@ -1,26 +1,20 @@
-"""Sampled draft verification: pure functions over probability arrays, numpy only.
-
-The runner hands over the processed target rows (temperature, top-k/top-p/min-p and penalties already
-applied) and the uniforms; nothing here draws randomness, so a step replays exactly from its uniforms.
-
-Methods: `standard` (Leviathan et al. / Chen et al. rejection sampling, lossless), `block` (Sun et al.
-2024, arXiv 2403.10444, Algorithm 2: lossless, accepts at least as many drafts in expectation),
-`synthetic` (benchmarking only, lossy: a fixed acceptance rate) and `typical` (vLLM's old
-TypicalAcceptanceSampler after Medusa section 3.3.1, lossy: an entropy-scaled probability threshold).
-"""
+"""Sampled draft verification, pure functions over processed probability rows and given uniforms: `standard`
+(Leviathan et al.), `block` (Sun et al. 2024, arXiv 2403.10444, Algorithm 2), `synthetic` and `typical`
+(vLLM's TypicalAcceptanceSampler). What each one guarantees: docs/speculative-decoding.md#sampled-requests."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
+from engine.sampler import inverse_cdf, sample_from
+
 RejectionMethod = Literal["standard", "block", "synthetic", "typical"]
-METHODS: tuple[str, ...] = ("standard", "block", "synthetic", "typical")
-_CHUNK = 256  # inverse-CDF chunk width
-_ENTROPY_EPS = 1e-5  # vLLM's typical acceptance takes log(p + 1e-5) so zero entries stay finite
+METHODS: tuple[str, ...] = get_args(RejectionMethod)
+_ENTROPY_EPS = 1e-5  # vLLM's: log(p + eps) keeps zero entries finite
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,58 +36,17 @@ class RejectionConfig:
             raise ValueError("posterior_threshold and posterior_alpha must be >= 0")
 
 
-def _search(cdf: np.ndarray, t: float, row: np.ndarray) -> int:
-    """First index whose cumulative mass exceeds t (side="right" never lands on a zero entry: its
-    cumulative sum equals the previous one, which would already exceed t); past the end (t rounded up
-    to the total) it is the last entry with mass."""
-    i = int(np.searchsorted(cdf, t, side="right"))
-    return i if i < cdf.shape[0] else int(np.flatnonzero(row > 0)[-1])
-
-
-def _inverse_cdf(row: np.ndarray, u: float) -> int:
-    """Index drawn from the unnormalised non-negative `row` [V] with one uniform, or -1 if it has no mass.
-
-    Two levels (chunk sums, then one chunk's cumsum): a full cumsum over V ~ 50k costs ~10x more."""
-    v = row.shape[0]
-    if v <= 2 * _CHUNK:
-        cdf = np.cumsum(row, dtype=np.float64)  # [V]
-        return _search(cdf, u * cdf[-1], row) if cdf[-1] > 0.0 else -1
-    full = v - v % _CHUNK
-    sums = row[:full].reshape(-1, _CHUNK).sum(axis=1, dtype=np.float64)  # [V // CHUNK]
-    if full < v:
-        sums = np.append(sums, row[full:].sum(dtype=np.float64))
-    ccdf = np.cumsum(sums)  # [num_chunks]
-    if not ccdf[-1] > 0.0:
-        return -1
-    t = u * ccdf[-1]
-    c = _search(ccdf, t, sums)
-    seg = row[c * _CHUNK : (c + 1) * _CHUNK]
-    before = ccdf[c - 1] if c else 0.0
-    return c * _CHUNK + _search(np.cumsum(seg, dtype=np.float64), max(t - before, 0.0), seg)
-
-
-def sample_from(probs_row: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw from one probability row (need not sum to exactly 1); never a zero entry."""
-    i = _inverse_cdf(probs_row, u)
-    if i < 0:
-        raise ValueError("cannot sample from a row with no probability mass")
-    return i
-
-
 def _residual_or_target(residual: np.ndarray, target_row: np.ndarray, u: float) -> int:
     """Draw from the residual; one with no mass (p == q up to rounding) falls back to the target row."""
-    i = _inverse_cdf(residual, u)
+    i = inverse_cdf(residual, u)
     return i if i >= 0 else sample_from(target_row, u)
 
 
 def verify_sampled(draft_ids: list[int], p: np.ndarray, q: np.ndarray | None,
                    uniforms: np.ndarray, cfg: RejectionConfig) -> list[int]:
-    """Tokens to append for one request: accepted drafts, then one correction or bonus token.
-
-    draft_ids: K drafts. p: [K+1, V] target probs (row i: the distribution after the prefix plus
-    draft_ids[:i]). q: [K, V] the drafter's probs for each draft, or None for deterministic drafts
-    (q one-hot on the draft). uniforms: [K+1, 2] in [0, 1): column 0 for the accept test at position
-    i, column 1 for the one categorical draw at position i. Returns 1..K+1 tokens."""
+    """Tokens to append for one request (1..K+1): accepted drafts, then a correction or bonus token.
+    p: [K+1, V] target probs (row i: after draft_ids[:i]); q: [K, V] the drafter's, None for deterministic
+    drafts; uniforms: [K+1, 2], column 0 for the accept test, column 1 for the categorical draw."""
     d = [int(x) for x in draft_ids]
     k = len(d)
     if p.ndim != 2 or p.shape[0] != k + 1:
@@ -109,12 +62,13 @@ def verify_sampled(draft_ids: list[int], p: np.ndarray, q: np.ndarray | None,
     if cfg.method == "block":
         return _block(d, p, q, uniforms)
     if cfg.method == "synthetic":
+        assert cfg.synthetic_acceptance_rate is not None  # __post_init__ requires it
         return _synthetic(d, p, uniforms, float(cfg.synthetic_acceptance_rate))
     return _typical(d, p, uniforms, cfg.posterior_threshold, cfg.posterior_alpha)
 
 
 def _draft_probs(d: list[int], probs: np.ndarray | None) -> list[float]:
-    """probs[i, d[i]] for each draft (1.0 for a one-hot q); K <= 8, so scalar reads beat a gather."""
+    """probs[i, d[i]] for each draft (1.0 for a one-hot q)."""
     return [float(probs[i, x]) for i, x in enumerate(d)] if probs is not None else [1.0] * len(d)
 
 
@@ -146,8 +100,7 @@ def _block_residual(weight: float, p_row: np.ndarray, q: np.ndarray | None, i: i
 
 
 def _block(d: list[int], p: np.ndarray, q: np.ndarray | None, u: np.ndarray) -> list[int]:
-    """Sun et al. Algorithm 2. Paper index i (1-based, i = 1..K) maps to 0-based rows as
-    P_i = p[i-1], Q_i = q[i-1], eta_i = u[i-1, 0]; the residual after tau accepted drafts uses row tau."""
+    """Sun et al. Algorithm 2; the paper's 1-based P_i, Q_i, eta_i are p[i-1], q[i-1], u[i-1, 0]."""
     k = len(d)
     px, qx, eta = _draft_probs(d, p), _draft_probs(d, q), u[:, 0].tolist()
     w = [1.0]  # w[i]: the paper's p_i, the weight of having accepted the first i drafts
@@ -158,8 +111,7 @@ def _block(d: list[int], p: np.ndarray, q: np.ndarray | None, u: np.ndarray) -> 
             w.append(1.0)
         else:
             w.append(min(w[i] * px[i] / qx[i], 1.0))
-    # tau = the last i with eta_i <= h_i, so scan down from K and compute S_i only where needed.
-    # `<` rather than `<=`: equal in measure, and h_i = 0 (an empty residual) can never be chosen.
+    # tau = the last i with eta_i <= h_i: scan down from K. `<` so that h_i = 0 is never chosen.
     if k and eta[k - 1] < w[k]:  # h_K = p_K
         return [*d, sample_from(p[k], float(u[k, 1]))]
     for i in range(k - 1, 0, -1):
@@ -184,7 +136,7 @@ def _typical(d: list[int], p: np.ndarray, u: np.ndarray, threshold: float, alpha
     """Accept while p_i(x) > min(threshold, alpha * exp(-H(p_i))); a rejection emits argmax p_i."""
     for i, x in enumerate(d):
         px = float(p[i, x])
-        if px > threshold:  # above the cap: accepted whatever the entropy, skip the O(V) log
+        if px > threshold:  # accepted whatever the entropy: skip the O(V) log
             continue
         row = p[i]
         entropy = -float((row * np.log(row + _ENTROPY_EPS)).sum())

@@ -1,11 +1,5 @@
-"""Suffix decoding (SuffixDecoding / Arctic Inference's idea, implemented here from the paper's
-description): depth-bounded suffix tries over (a) the request's own prompt + output and (b) a cache
-of past responses, one trie per `cache_salt` (a salted request drafts only from responses of its own
-salt; unsalted requests share one), all salts together bounded by `max_cached_requests`. Each step
-matches the longest suffix of the context in a trie and follows the most frequent continuation while
-its estimated probability stays above `min_token_prob`, for at most `min(k, max_spec_factor *
-match_length)` tokens. The trie giving the higher expected number of accepted tokens wins.
-"""
+"""Suffix decoding (docs/speculative-decoding.md#methods): suffix tries over the request's own tokens and over
+past responses, one cache per `cache_salt`, bounded by `max_cached_requests`."""
 
 from __future__ import annotations
 
@@ -63,6 +57,7 @@ class SuffixTrie:
 
     def match(self, context: list[int]) -> tuple[_Node | None, int]:
         """Deepest node matching a suffix of `context` (longest match first)."""
+        node: _Node | None
         for length in range(min(self.depth - 1, len(context)), 0, -1):
             node = self.root
             for tok in context[len(context) - length :]:
@@ -75,7 +70,7 @@ class SuffixTrie:
 
 
 def _follow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
-    """Greedy path of most frequent children; returns (tokens, expected accepted = sum of path probs)."""
+    """Greedy path of most frequent children -> (tokens, expected accepted = sum of path probs)."""
     out: list[int] = []
     prob, score = 1.0, 0.0
     while len(out) < max_tokens and node.children:
@@ -91,7 +86,7 @@ def _follow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], f
 
 
 class SuffixProposer:
-    drafts_before_choice = True  # a lookup: cheap, and shorter drafts are prefixes of longer ones
+    drafts_before_choice = True  # a lookup
     filters_drafts = False
 
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
@@ -101,10 +96,10 @@ class SuffixProposer:
         self.spec_factor = max_spec_factor
         self.min_prob = min_token_prob
         self._tries: dict[str | None, SuffixTrie] = {}  # cache_salt -> trie of its past responses
-        # past responses, oldest first: request -> (its cache_salt, output tokens)
+        # request -> (its cache_salt, output tokens), oldest first
         self._cached: OrderedDict[str, tuple[str | None, list[int]]] = OrderedDict()
         self._num_cached: dict[str | None, int] = {}  # cache_salt -> responses in its trie
-        # request -> (trie, tokens inserted, the request's token list, prompt length, cache_salt)
+        # request -> (trie, tokens inserted, its token list, prompt length, cache_salt)
         self._local: dict[str, tuple[SuffixTrie, int, list[int], int, str | None]] = {}
 
     def _local_trie(self, r: DraftRequest) -> SuffixTrie:
@@ -162,7 +157,7 @@ class SuffixProposer:
         while len(self._cached) > self.max_cached:
             _, (salt, old) = self._cached.popitem(last=False)
             self._num_cached[salt] -= 1
-            if self._num_cached[salt] == 0:  # a salt's last response: its trie goes with it
+            if self._num_cached[salt] == 0:  # a salt's last response takes its trie
                 del self._num_cached[salt], self._tries[salt]
             else:
                 self._tries[salt].add(old, sign=-1)

@@ -1,15 +1,5 @@
-"""`specserve train-assistant`: self-distil an MTP assistant for a llama-family target on MLX.
-
-1. The target writes its own training text: the real engine (`engine.llm.LLM`, batched) answers a
-   prompt set from `configs/` greedily and with sampling.
-2. One non-paged target pass per sequence gives the final-norm hidden states, the cached K/V of the
-   layer the assistant reads, and the labels: the target's argmax at every position.
-3. The assistant learns, at query position p, the target's next token from [embedding of token p,
-   target hidden at p - 1], attending to target K/V at positions < p (what it sees when serving).
-Initialisation copies the target's last decoder layer (its MLP narrowed to its strongest neurons: a
-sixth of them by default), final norm and head rows, and makes `pre_projection` pass the hidden state
-through. Checkpoints every `save_every` steps (resumable).
-"""
+"""`specserve train-assistant`: self-distil an MTP assistant for a llama-family target on MLX from text the
+target writes itself (docs/mtp.md#training-an-assistant)."""
 
 from __future__ import annotations
 
@@ -18,19 +8,28 @@ import json
 import logging
 import math
 import random
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
 
+from engine.cpu.host import int_list
+from engine.llm import LLM, chat_prompt_ids
 from engine.models import adapter
-from engine.models.loader import LoadedModel
+from engine.models.loader import LoadedModel, load_model
 from engine.models.mtp_trained import TRAINED_TYPE, TrainedAssistant, load_trained, save_trained
+from engine.models.weights import load_arrays
+from engine.sampling import SamplingParams
+from engine.spec.mtp import top_token_prob
 from specserve_configs import shipped
 
 logger = logging.getLogger(__name__)
@@ -42,28 +41,24 @@ CALIBRATION_CUTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # draft_min_token_prob values
 @dataclass
 class TrainSettings:
     max_tokens: int = 96  # generated tokens per answer
-    max_num_seqs: int = 128  # generation batch (bigger batches are cheaper per token on CPU)
+    max_num_seqs: int = 128  # generation batch
     samples_per_prompt: int = 1  # answers per prompt: the first greedy, the others sampled
-    # Only greedy requests draft, so greedy text is the context the assistant sees when serving; with
-    # mix_sampled, odd prompts are answered with sampling instead (more varied, less on-distribution).
+    # Only greedy requests draft, so greedy text is what the assistant sees; mix_sampled samples odd prompts.
     mix_sampled: bool = False
     temperature: float = 0.8
     head_size: int = 4096
-    # MLP width of the assistant's layer (None: a sixth of the target's, 256 for SmolLM2-135M). Serving
-    # streams every assistant weight from memory on each step, and a narrower MLP learned as well from
-    # this much data as the target's full width (figures: docs/design-notes.md).
+    # MLP width of the assistant's layer (None: a sixth of the target's): narrower streams less per step.
     intermediate_size: int | None = None
     steps: int = 2000  # held-out top-1 stops improving by here
     batch_size: int = 4
     lr: float = 5e-4
     save_every: int = 50
     seed: int = 0
-    max_prompts: int | None = 1536  # ~190k tokens of text (time it takes: docs/design-notes.md)
+    max_prompts: int | None = 1536
     holdout: int = 0  # the last N prompts are never trained on (benchmark prompts)
-    eval_every: int = 250  # steps between top-1 measurements on the held-out sequences
-    eval_fraction: float = 0.04  # generated sequences kept out of training to measure top-1 on
-    # Train on answer positions only (held-out top-1 is always measured on answers: the assistant drafts
-    # only while the target generates). It did not raise acceptance, so it is opt-in.
+    eval_every: int = 250  # steps between held-out top-1 measurements
+    eval_fraction: float = 0.04  # generated sequences held out
+    # Train on answer positions only (held-out top-1 always is): opt-in, it did not raise acceptance.
     answer_only: bool = False
 
 
@@ -78,14 +73,8 @@ def read_prompts(path: Path) -> list[str]:
 
 def generate_texts(target: LoadedModel, prompts: list[str], s: TrainSettings,
                    data_file: Path | None = None) -> list[list[int]]:
-    """Prompt + answer token ids, written by the target itself through the real engine, in chunks of
-    4 x `max_num_seqs` answers (continuous batching refills the slots of answers that stop early); with
-    `data_file` (JSONL) each chunk is appended there and skipped on rerun."""
-    from tqdm import tqdm
-
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-
+    """Prompt + answer token ids written by the target through the engine, in chunks of 4 x `max_num_seqs`;
+    with `data_file` (JSONL) each chunk is appended there and skipped on rerun."""
     done: list[list[int]] = []
     if data_file is not None and data_file.exists():
         done = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
@@ -98,7 +87,7 @@ def generate_texts(target: LoadedModel, prompts: list[str], s: TrainSettings,
         chat = llm.apply_chat_template([{"role": "user", "content": p}])
         for j in range(s.samples_per_prompt):
             first = j == 0 and not (s.mix_sampled and i % 2)
-            temp = 0.0 if first else s.temperature  # greedy and sampled answers
+            temp = 0.0 if first else s.temperature
             reqs.append(chat)
             params.append(SamplingParams(max_tokens=s.max_tokens, temperature=temp,
                                          seed=s.seed * 1000 + i * 10 + j))
@@ -119,17 +108,24 @@ def generate_texts(target: LoadedModel, prompts: list[str], s: TrainSettings,
 
 def chat_length(target: LoadedModel, prompt: str) -> int:
     """Tokens of the chat-templated prompt, generation header included: where the answer starts."""
-    from engine.llm import chat_prompt_ids
-
     return len(chat_prompt_ids(target.tokenizer, [{"role": "user", "content": prompt}]))
 
 
+class Features(TypedDict):
+    """One sequence's target features (`target_features`)."""
+    tokens: mx.array  # [T]
+    hidden: mx.array  # [T, d]
+    keys: mx.array  # [Hkv, T, D]
+    values: mx.array  # [Hkv, T, D]
+    labels: mx.array  # [T]
+    start: NotRequired[int]  # the first scored position: set once the arrays are evaluated
+
+
 def target_features(target: LoadedModel, seqs: list[list[int]], layer: int,
-                    starts: list[int] | None = None) -> list[dict[str, mx.array]]:
-    """One plain (non-paged) target pass over a right-padded batch (causal attention keeps the padding
-    out of real positions). Per sequence: hidden [T, d] (final norm), keys/values [Hkv, T, D] of `layer`,
-    labels [T] (the target's argmax), and `start`, the first position that is scored (its answer)."""
-    from mlx_lm.models.cache import make_prompt_cache
+                    starts: list[int] | None = None) -> list[Features]:
+    """One plain (non-paged) target pass over a right-padded batch. Per sequence: hidden [T, d] (final
+    norm), keys/values [Hkv, T, D] of `layer`, labels [T] (argmax), `start` (first scored position)."""
+    from mlx_lm.models.cache import make_prompt_cache  # mlx_lm loads transformers (~2 s)
 
     model = target.model
     cache = make_prompt_cache(model)
@@ -137,7 +133,7 @@ def target_features(target: LoadedModel, seqs: list[list[int]], layer: int,
     ids = mx.array([q + [0] * (width - len(q)) for q in seqs], dtype=mx.int32)
     h = model.model(ids, cache=cache)  # [B, T, d]
     labels = mx.argmax(adapter.compute_logits(model, h), axis=-1).astype(mx.int32)
-    out = []
+    out: list[Features] = []
     for i, q in enumerate(seqs):
         t = len(q)
         out.append({"tokens": ids[i, :t], "hidden": h[i, :t].astype(mx.float16),
@@ -145,16 +141,14 @@ def target_features(target: LoadedModel, seqs: list[list[int]], layer: int,
                     "values": cache[layer].values[i, :, :t].astype(mx.float16), "labels": labels[i, :t]})
     mx.eval(out)
     for i, f in enumerate(out):
-        f["start"] = starts[i] if starts is not None else 1  # type: ignore[assignment]
+        f["start"] = starts[i] if starts is not None else 1
     return out
 
 
 def all_features(target: LoadedModel, seqs: list[list[int]], layer: int, progress: bool,
-                 starts: list[int] | None = None) -> list[dict[str, mx.array]]:
+                 starts: list[int] | None = None) -> list[Features]:
     """`target_features` over every sequence, in batches of 8 of similar length (little padding)."""
-    from tqdm import tqdm
-
-    feats: list[dict[str, mx.array]] = []
+    feats: list[Features] = []
     by_len = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for lo in tqdm(range(0, len(seqs), 8), desc="target features", disable=not progress):
         idx = by_len[lo: lo + 8]
@@ -172,9 +166,8 @@ def head_rows(target: LoadedModel, ids: mx.array) -> mx.array:
 
 def init_from_target(target: LoadedModel, head_ids: list[int], layer: int,
                      intermediate_size: int | None = None) -> TrainedAssistant:
-    """The assistant starts as the target's `layer` (its MLP cut to the `intermediate_size` neurons with
-    the largest |gate| * |up| * |down| weight norms, in their order; None: a sixth of them), final norm
-    and head rows."""
+    """The assistant starts as the target's `layer` (MLP cut to the `intermediate_size` neurons of largest
+    |gate| * |up| * |down| norms; None: a sixth), final norm and head rows."""
     args = target.model.args
     n_kv, head_dim = adapter.kv_shape(target.model)
     d = args.hidden_size
@@ -219,13 +212,11 @@ def init_from_target(target: LoadedModel, head_ids: list[int], layer: int,
     return net
 
 
-def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, int],
+def _batch(feats: list[Features], embed: nn.Module, index: dict[int, int],
            teacher: mx.array, cap: float | None) -> tuple[mx.array, ...]:
     """Right-padded batch over query positions p = 1..T-1: x [B, L, 2d] = [emb(token p), hidden p-1],
-    keys/values [B, Hkv, L, D] (positions 0..T-2), the target's log-probabilities over the head
-    vocabulary at p (`teacher` holds its head rows) and a mask [B, L] (positions from the sequence's
-    `start` on), the hard labels (argmax) for the accuracy figure, and for the second draft (same query
-    position, as when serving K > 1) emb(token p+1) with the target's log-probabilities at p+1."""
+    keys/values [B, Hkv, L, D], the teacher's log-probabilities at p, a mask [B, L] from `start`, the
+    argmax labels, and for the second draft emb(token p+1) with the log-probabilities at p+1."""
     t = max(int(f["tokens"].shape[0]) for f in feats) - 1
     cols: list[list[mx.array]] = [[] for _ in range(8)]
     for f in feats:
@@ -233,7 +224,7 @@ def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, 
         first = max(0, int(f["start"]) - 1)  # query index j holds position p = j + 1
         e = embed(f["tokens"][1:]).astype(mx.float32)  # [n, d]: token at query position p
         x = mx.concatenate([e, f["hidden"][:-1].astype(mx.float32)], axis=-1)  # hidden at p - 1
-        y = [index.get(lab, -1) for lab in f["labels"][1:].tolist()]
+        rows = [index.get(lab, -1) for lab in int_list(f["labels"][1:])]  # head rows (-1: outside)
         e2 = mx.concatenate([e[1:], mx.zeros((1, e.shape[1]))], axis=0)
         pad = [(0, t - n), (0, 0)]
         cols[0].append(mx.pad(x, pad))
@@ -241,8 +232,8 @@ def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, 
         cols[2].append(mx.pad(f["values"][:, :-1].astype(mx.float32), [(0, 0)] + pad))
         cols[3].append(mx.pad(f["hidden"][1:].astype(mx.float32), pad))  # target hidden at p: teacher
         cols[4].append(mx.array([float(j >= first) for j in range(n)] + [0.0] * (t - n)))
-        cols[5].append(mx.array([max(v, 0) for v in y] + [0] * (t - n), dtype=mx.int32))
-        cols[6].append(mx.array([float(v >= 0 and j >= first) for j, v in enumerate(y)] + [0.0] * (t - n)))
+        cols[5].append(mx.array([max(v, 0) for v in rows] + [0] * (t - n), dtype=mx.int32))
+        cols[6].append(mx.array([float(v >= 0 and j >= first) for j, v in enumerate(rows)] + [0.0] * (t - n)))
         cols[7].append(mx.pad(e2, pad))
     x, k, v, h, m, y, ym, e2 = (mx.stack(c) for c in cols)
     logits = h @ teacher.T
@@ -257,11 +248,9 @@ def _batch(feats: list[dict[str, mx.array]], embed: nn.Module, index: dict[int, 
 def _loss(net: TrainedAssistant, x: mx.array, k: mx.array, v: mx.array, logp: mx.array, m: mx.array,
           y: mx.array, ym: mx.array, e2: mx.array, logp2: mx.array, m2: mx.array,
           w2: float = 0.5) -> tuple[mx.array, mx.array]:
-    """Distillation: cross-entropy against the target's distribution (more signal per token than its
-    argmax alone, which matters with a few hundred thousand tokens) on the first draft, plus w2 x the same
-    on the second (post_projection fed back). Also returns top-1 agreement with the target's argmax.
-    (Tried and no better on held-out prompts: an EAGLE-style regression of post_projection onto the
-    target's hidden state with the head frozen, and an added cross-entropy on the argmax.)"""
+    """Distillation: cross-entropy against the target's distribution on the first draft, plus w2 x the same
+    on the second (post_projection fed back); also top-1 agreement with the argmax. Alternatives tried:
+    docs/design-notes.md."""
 
     def soft_ce(student: mx.array, teacher: mx.array, mask: mx.array) -> mx.array:
         ls = student - mx.logsumexp(student, axis=-1, keepdims=True)
@@ -276,15 +265,11 @@ def _loss(net: TrainedAssistant, x: mx.array, k: mx.array, v: mx.array, logp: mx
     return loss, acc
 
 
-def agreement(net: TrainedAssistant, feats: list[dict[str, mx.array]], embed: nn.Module,
+def agreement(net: TrainedAssistant, feats: list[Features], embed: nn.Module,
               index: dict[int, int], teacher: mx.array, cap: float | None,
               cuts: tuple[float, ...] = (0.0,)) -> list[tuple[float, float]]:
-    """First drafts over the scored positions of `feats` (from each one's `start`), per cut-off (one
-    assistant pass for all): the fraction the assistant would make with `draft_min_token_prob` = cut
-    (top probability >= cut), and their top-1 agreement with the target's argmax (token-weighted): the
-    serving acceptance at position 0."""
-    from engine.spec.mtp import top_token_prob
-
+    """Per cut-off, over the scored positions of `feats`: the share of first drafts made with
+    `draft_min_token_prob` = cut, and their top-1 agreement with the argmax (serving acceptance at 0)."""
     hits, made = [0.0] * len(cuts), [0.0] * len(cuts)
     total = 0.0
     for lo in range(0, len(feats), 8):
@@ -295,9 +280,9 @@ def agreement(net: TrainedAssistant, feats: list[dict[str, mx.array]], embed: nn
         right = (mx.argmax(logits, axis=-1) == y) * ym  # labels outside the head vocabulary: misses
         for c, cut in enumerate(cuts):
             drafted = m * (top >= cut)
-            hits[c] += (right * drafted).sum().item()
-            made[c] += drafted.sum().item()
-        total += m.sum().item()
+            hits[c] += float((right * drafted).sum())
+            made[c] += float(drafted.sum())
+        total += float(m.sum())
     return [((n / total if total else 0.0), (h / n if n else 0.0)) for h, n in zip(hits, made, strict=True)]
 
 
@@ -310,58 +295,77 @@ def _save_state(out: Path, net: TrainedAssistant, opt: optim.Optimizer, step: in
     (ck / "state.json").write_text(json.dumps({"step": step}))
 
 
-def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PROMPTS,
-                    s: TrainSettings | None = None, progress: bool = True) -> dict:
-    """Generate (or reuse) the self-distilled data, train (resuming), write `out/` for `method: mtp`."""
-    from tqdm import tqdm
-
-    s = s or TrainSettings()
-    out.mkdir(parents=True, exist_ok=True)
-    random.seed(s.seed)
-    mx.random.seed(s.seed)
-    layer = len(target.model.layers) - 1
+def _training_features(target: LoadedModel, out: Path, prompts_path: Path, s: TrainSettings, layer: int,
+                       progress: bool) -> tuple[list[list[int]], list[Features], list[Features]]:
+    """(sequences, held-out features, training features): the target's own text, generated or reused."""
     prompts = read_prompts(prompts_path)
     prompts = prompts[: len(prompts) - s.holdout] if s.holdout else prompts
     prompts = prompts[: s.max_prompts] if s.max_prompts else prompts
     seqs = generate_texts(target, prompts, s, out / "data" / "sequences.jsonl")  # resumes by chunk
-    # Where each answer starts: sequence i answers prompt i // samples_per_prompt (generate_texts' order).
+    # Sequence i answers prompt i // samples_per_prompt.
     lens = [chat_length(target, p) for p in prompts]
     starts = [min(lens[i // s.samples_per_prompt], len(q) - 1) for i, q in enumerate(seqs)]
     feats = all_features(target, seqs, layer, progress, starts)
-    # Every n-th sequence (by length, so short and long alike) is held out: top-1 agreement on its answers
-    # is the first draft's acceptance rate on greedy text, and picks the checkpoint that is kept.
+    # Every n-th sequence by length is held out: its answers' top-1 picks the checkpoint kept.
     step_n = max(2, round(1 / s.eval_fraction)) if s.eval_fraction > 0 else 0
-    held: list[dict[str, mx.array]] = []
-    train: list[dict[str, mx.array]] = []
+    held: list[Features] = []
+    train: list[Features] = []
     for i, f in enumerate(feats):
         (held if step_n and i % step_n == step_n // 2 else train).append(f)
-    feats = train if s.answer_only else [dict(f, start=1) for f in train]  # else score every position
-    # The head's vocabulary: the most frequent of the labels that are scored (the answers' next tokens).
-    counts = Counter(t for f in feats for t in f["labels"][max(1, int(f["start"])):].tolist())
-    head_ids = [t for t, _ in counts.most_common(s.head_size)]
-    coverage = sum(counts[t] for t in head_ids) / max(1, sum(counts.values()))
+    train = train if s.answer_only else [{**f, "start": 1} for f in train]  # else score every position
+    return seqs, held, train
 
+
+def _head_vocabulary(feats: list[Features], head_size: int) -> tuple[list[int], float]:
+    """The most frequent of the scored labels (the answers' next tokens), and the share they cover."""
+    counts = Counter(t for f in feats for t in int_list(f["labels"][max(1, int(f["start"])):]))
+    head_ids = [t for t, _ in counts.most_common(head_size)]
+    return head_ids, sum(counts[t] for t in head_ids) / max(1, sum(counts.values()))
+
+
+def _net_and_optimizer(target: LoadedModel, out: Path, head_ids: list[int], layer: int,
+                       s: TrainSettings) -> tuple[TrainedAssistant, optim.Optimizer, int]:
+    """The assistant and its optimizer, resumed from `out/checkpoint` where one exists, and the step."""
     ck = out / "checkpoint"
     start = 0
     if (ck / "state.json").exists():
         net = load_trained(ck, json.loads((ck / "config.json").read_text()), mx.float32)
         start = json.loads((ck / "state.json").read_text())["step"]
-        head_ids = net.vocab_ids.tolist()
     else:
         net = init_from_target(target, head_ids, layer, s.intermediate_size)
-    index = {t: i for i, t in enumerate(head_ids)}
-    teacher = head_rows(target, mx.array(head_ids, dtype=mx.int32))
-    cap = getattr(target.model.args, "final_logit_softcapping", None)
     sched = optim.cosine_decay(s.lr, max(1, s.steps), end=s.lr * 0.05)
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
     if start:
         opt.init(net.trainable_parameters())
-        saved = mx.load(str(ck / "optimizer.safetensors"))
+        saved = load_arrays(str(ck / "optimizer.safetensors"))
         mx.eval(saved)  # mx.load is lazy and the file is rewritten at the next checkpoint
         state = dict(tree_flatten(opt.state))
         state.update(saved)
         opt.state = tree_unflatten(list(state.items()))
-    embed = target.model.model.embed_tokens
+    return net, opt, start
+
+
+@dataclass
+class _Teacher:
+    """What every batch and evaluation reads from the target."""
+    embed: nn.Module
+    index: dict[int, int]  # token id -> head row
+    rows: mx.array  # the target's head rows for the head vocabulary
+    cap: float | None  # final logit soft-capping
+
+    def batch(self, feats: list[Features]) -> tuple[mx.array, ...]:
+        return _batch(feats, self.embed, self.index, self.rows, self.cap)
+
+    def agreement(self, net: TrainedAssistant, feats: list[Features],
+                  cuts: tuple[float, ...] = (0.0,)) -> list[tuple[float, float]]:
+        return agreement(net, feats, self.embed, self.index, self.rows, self.cap, cuts)
+
+
+def _train_steps(net: TrainedAssistant, opt: optim.Optimizer, start: int, feats: list[Features],
+                 held: list[Features], teacher: _Teacher, out: Path, s: TrainSettings,
+                 progress: bool) -> tuple[list[float], dict[int, float]]:
+    """Train from `start` to `s.steps` (checkpointing), leave `net` at the held-out best step; -> losses and
+    held-out top-1 per evaluation."""
     loss_grad = nn.value_and_grad(net, lambda *a: _loss(net, *a)[0])
     order = list(range(len(feats)))
     rng = random.Random(s.seed)
@@ -374,8 +378,7 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     bar = tqdm(total=s.steps, initial=start, desc="training assistant", disable=not progress)
     for step in range(start, s.steps):
         pick = flat[step * s.batch_size: (step + 1) * s.batch_size]
-        batch = _batch([feats[i] for i in pick], embed, index, teacher, cap)
-        loss, grads = loss_grad(*batch)
+        loss, grads = loss_grad(*teacher.batch([feats[i] for i in pick]))
         opt.update(net, grads)
         mx.eval(net.parameters(), opt.state, loss)
         losses.append(loss.item())
@@ -384,13 +387,32 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
         if (step + 1) % s.save_every == 0 or step + 1 == s.steps:
             _save_state(out, net, opt, step + 1)
         if held and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
-            evals[step + 1] = agreement(net, held, embed, index, teacher, cap)[0][1]
+            evals[step + 1] = teacher.agreement(net, held)[0][1]
             bar.write(f"step {step + 1}: held-out answer top-1 {evals[step + 1]:.4f}")
             if best is None or evals[step + 1] > best[0]:
                 best = (evals[step + 1], dict(tree_flatten(net.parameters())))  # arrays are immutable
     bar.close()
     if best is not None:
         net.update(tree_unflatten(list(best[1].items())))
+    return losses, evals
+
+
+def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PROMPTS,
+                    s: TrainSettings | None = None, progress: bool = True) -> dict:
+    """Generate (or reuse) the self-distilled data, train (resuming), write `out/` for `method: mtp`."""
+    s = s or TrainSettings()
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(s.seed)
+    mx.random.seed(s.seed)
+    layer = len(target.model.layers) - 1
+    seqs, held, feats = _training_features(target, out, prompts_path, s, layer, progress)
+    head_ids, coverage = _head_vocabulary(feats, s.head_size)
+    net, opt, start = _net_and_optimizer(target, out, head_ids, layer, s)
+    head_ids = int_list(net.vocab_ids)  # a resumed checkpoint keeps its own head vocabulary
+    teacher = _Teacher(target.model.model.embed_tokens, {t: i for i, t in enumerate(head_ids)},
+                       head_rows(target, mx.array(head_ids, dtype=mx.int32)),
+                       getattr(target.model.args, "final_logit_softcapping", None))
+    losses, evals = _train_steps(net, opt, start, feats, held, teacher, out, s, progress)
     save_trained(net, out, dtype=mx.float16)
     summary = {"sequences": len(seqs), "held_out_sequences": len(held), "tokens": sum(len(q) for q in seqs),
                "answer_only": s.answer_only,
@@ -398,20 +420,19 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
                "final_loss": losses[-1] if losses else None,
                "held_out_top1": {str(k): round(v, 4) for k, v in evals.items()},  # answer positions
                "kept_step": max(evals, key=lambda k: evals[k]) if evals else s.steps,
-               # Per draft_min_token_prob (MTPConfig): the share of held-out answer positions that get a
-               # first draft, and its top-1 agreement there (acceptance at position 0).
+               # Per draft_min_token_prob: share of held-out answer positions drafted, and top-1 there.
                "held_out_by_min_token_prob": {str(c): [round(x, 4) for x in r] for c, r in zip(
-                   CALIBRATION_CUTS, agreement(net, held, embed, index, teacher, cap, CALIBRATION_CUTS),
-                   strict=True)} if held else {},
-               # On (a slice of) the training data: a sanity number, not held out.
-               "train_top1": round(agreement(net, feats[-8:], embed, index, teacher, cap)[0][1], 4)}
+                   CALIBRATION_CUTS, teacher.agreement(net, held, CALIBRATION_CUTS), strict=True)}
+               if held else {},
+               # On a slice of the training data: a sanity number.
+               "train_top1": round(teacher.agreement(net, feats[-8:])[0][1], 4)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def given(args: argparse.Namespace, *names: str) -> dict:
-    """The numeric flags the user set: the CLI's defaults are None, the settings dataclasses hold the real
-    ones (one home for each default). `--max-prompts 0` means every prompt (None in the settings)."""
+    """The numeric flags the user set (the CLI's defaults are None; the dataclasses hold the real ones).
+    `--max-prompts 0` means every prompt."""
     out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if "max_prompts" in out:
         out["max_prompts"] = out["max_prompts"] or None
@@ -425,7 +446,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
 
 
 def main_cli(args: argparse.Namespace) -> int:
-    """`specserve train-assistant --model M --out DIR` (the namespace comes from server/cli.py)."""
+    """`specserve train-assistant --model M --out DIR` (the namespace comes from server/cli/train.py)."""
     s = settings_from_args(args)
     prompts = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS
     return run_cli("train-assistant", args.model, lambda target: train_assistant(target, Path(args.out),
@@ -434,13 +455,8 @@ def main_cli(args: argparse.Namespace) -> int:
 
 
 def run_cli(name: str, model: str | None, train: Callable[[LoadedModel], dict], spec: dict) -> int:
-    """Shared body of the training subcommands: load the target in float32, train, print the summary
-    and the speculative config that serves the result."""
-    import sys
-    import time
-
-    from engine.models.loader import load_model
-
+    """Shared body of the training subcommands: load the target in float32, train, print the summary and
+    the speculative config that serves the result."""
     logging.basicConfig(level=logging.INFO)
     t0 = time.monotonic()
     target = load_model(model, dtype="float32", progress=True)

@@ -1,13 +1,5 @@
-"""`specserve train-draft`: distil a small draft model (the target's first layers) for `method: draft_model`.
-
-The draft is the target architecture cut to its first `num_layers` decoder layers, plus the target's
-final norm and (tied) head, so it shares the vocabulary and tokenizer by construction. Its layers and
-norm are trained by self-distillation on the text the target writes (the same data step as
-`train-assistant`, reusable with `--data`): cross-entropy against the target's next-token distribution
-over the whole vocabulary (the served draft scores every token, so every token's logit must be trained).
-Embedding and head stay frozen. The output folder is a plain Hugging Face-layout model
-(config.json, model.safetensors, tokenizer) that any `draft_model` config can name.
-"""
+"""`specserve train-draft`: distil a draft model for `method: draft_model` from the target's first layers,
+final norm and head, against the target's full distribution, as a Hugging Face folder (docs/mtp.md)."""
 
 from __future__ import annotations
 
@@ -23,12 +15,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
+from tqdm import tqdm
 
 from engine.models import adapter
 from engine.models.loader import LoadedModel, build_model
+from engine.models.weights import flat_arrays
 from engine.training.assistant import (
     DEFAULT_PROMPTS,
+    Features,
     TrainSettings,
     all_features,
     generate_texts,
@@ -60,15 +54,14 @@ def cut_model(target: LoadedModel, num_layers: int) -> tuple[nn.Module, dict]:
         config.pop(key, None)
     config["num_hidden_layers"] = num_layers
     keep = {f"model.layers.{i}." for i in range(num_layers)}
-    weights = {k: v for k, v in tree_flatten(target.model.parameters())
+    weights = {k: v for k, v in flat_arrays(target.model.parameters())
                if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
     return build_model(config, weights), config
 
 
 def _loss(draft: nn.Module, tokens: mx.array, teacher_logp: mx.array, mask: mx.array,
           labels: mx.array) -> tuple[mx.array, mx.array]:
-    # The whole vocabulary on both sides: a loss over a subset of tokens leaves the other tokens' logits
-    # free to rise, and the served draft (which scores every token) then proposes them.
+    # The whole vocabulary: a loss over a subset leaves the other logits free to rise.
     logits = adapter.compute_logits(draft, draft.model(tokens))  # [B, T, vocab]
     ls = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     n = mx.maximum(mask.sum(), 1.0)
@@ -77,7 +70,7 @@ def _loss(draft: nn.Module, tokens: mx.array, teacher_logp: mx.array, mask: mx.a
     return loss, acc
 
 
-def _batch(feats: list[dict[str, mx.array]], target: LoadedModel) -> tuple[mx.array, ...]:
+def _batch(feats: list[Features], target: LoadedModel) -> tuple[mx.array, ...]:
     """Right-padded tokens [B, T], the target's log-probabilities [B, T, vocab], mask and argmax labels."""
     t = max(int(f["tokens"].shape[0]) for f in feats)
     toks, hid, mask, labels = [], [], [], []
@@ -94,7 +87,7 @@ def _batch(feats: list[dict[str, mx.array]], target: LoadedModel) -> tuple[mx.ar
 
 def save_draft(draft: nn.Module, config: dict, target: LoadedModel, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(draft.parameters())}
+    weights = {k: v.astype(mx.float16) for k, v in flat_arrays(draft.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     cfg = dict(config, torch_dtype="float16")
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
@@ -105,8 +98,6 @@ def train_draft(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PRO
                 s: DraftSettings | None = None, data: TrainSettings | None = None,
                 data_file: Path | None = None, progress: bool = True) -> dict:
     """Generate (or reuse) the self-distilled text, train the cut model (resuming), write `out/`."""
-    from tqdm import tqdm
-
     s = s or DraftSettings()
     data = data or TrainSettings()
     random.seed(s.seed)
@@ -117,14 +108,14 @@ def train_draft(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PRO
     seqs = generate_texts(target, prompts, data, data_file or out / "data" / "sequences.jsonl")
     layer = len(target.model.layers) - 1
     feats = all_features(target, seqs, layer, progress)
-    start_top1 = _loss(draft, *_batch(feats[-8:], target))[1].item()
+    start_top1 = float(_loss(draft, *_batch(feats[-8:], target))[1])
 
     ck = out / "checkpoint"
     start = 0
     if (ck / "state.json").exists():
         draft.load_weights(str(ck / "model.safetensors"))
         start = json.loads((ck / "state.json").read_text())["step"]
-    draft.freeze()  # embedding and head stay the target's: only the layers and the final norm learn
+    draft.freeze()  # embedding and head stay the target's
     for module in [*draft.model.layers, draft.model.norm]:
         module.unfreeze()
     sched = optim.cosine_decay(s.lr, max(1, s.steps), end=s.lr * 0.05)
@@ -136,7 +127,7 @@ def train_draft(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PRO
     losses: list[float] = []
     bar = tqdm(total=s.steps, initial=start, desc="training draft", disable=not progress)
     for step in range(start, s.steps):
-        # Resuming restarts the optimiser moments (weights and schedule position are kept).
+        # Resuming restarts the optimiser moments.
         pick = flat[step * s.batch_size: (step + 1) * s.batch_size]
         loss, grads = loss_grad(*_batch([feats[i] for i in pick], target))
         opt.update(draft, grads)
@@ -153,13 +144,13 @@ def train_draft(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PRO
     save_draft(draft, config, target, out)
     summary = {"num_layers": s.num_layers, "sequences": len(seqs), "tokens": sum(len(q) for q in seqs),
                "steps": s.steps, "final_loss": losses[-1] if losses else None,
-               "start_top1": round(start_top1, 4), "train_top1": round(acc.item(), 4)}
+               "start_top1": round(start_top1, 4), "train_top1": round(float(acc), 4)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def main_cli(args: argparse.Namespace) -> int:
-    """`specserve train-draft --model M --out DIR` (the namespace comes from server/cli.py)."""
+    """`specserve train-draft --model M --out DIR` (the namespace comes from server/cli/train.py)."""
     s = DraftSettings(**given(args, "num_layers", "steps", "seed"))
     data = TrainSettings(**given(args, "max_tokens", "seed", "max_prompts"))
     prompts = Path(args.prompts) if args.prompts else DEFAULT_PROMPTS

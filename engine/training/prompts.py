@@ -1,11 +1,6 @@
-"""Rebuild `configs/train_prompts.jsonl`: the hand-written prompts plus templates x topics.
-
-    python -m engine.training.prompts            # rewrites configs/train_prompts.jsonl
-
-The assistant generalises with the variety of the text the target writes for it, so the prompt set is
-wide (many topics, several instruction shapes) rather than deep. Every prompt in
-`configs/train_prompts_heldout.jsonl` (the benchmark's prompts) is excluded, so the benchmark measures
-prompts the assistant never saw. Deterministic: same output on every run.
+"""Rebuild `configs/train_prompts.jsonl` (`python -m engine.training.prompts`): the hand-written prompts plus
+templates x topics, wide rather than deep, deterministic, and without any prompt of
+`configs/train_prompts_heldout.jsonl` (the benchmark's).
 """
 
 from __future__ import annotations
@@ -14,6 +9,8 @@ import json
 import random
 import re
 from pathlib import Path
+
+from engine.training.assistant import read_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,8 +60,6 @@ TOPICS = """DNA|Mars|Shakespeare|airplanes|antibiotics|baking bread|bicycles|bla
 
 
 def build() -> list[str]:
-    from engine.training.assistant import read_prompts
-
     held = set(read_prompts(ROOT / "configs" / "train_prompts_heldout.jsonl"))
     original = read_prompts(ROOT / "configs" / "train_prompts.jsonl")
     shapes = [re.compile(re.escape(t).replace(r"\{\}", ".+")) for t in TEMPLATES]

@@ -1,4 +1,4 @@
-"""Smoke test for `python -m tools.bench_engine`: a tiny quick run end to end, in a subprocess."""
+"""Smoke test for `specserve bench engine`: a tiny quick run end to end, in a subprocess."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(180)
 def test_quick_run_writes_report(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "tools.bench_engine", "--quick", "--max-tokens", "8",
+    cmd = [sys.executable, "-m", "server.cli", "bench", "engine", "--quick", "--max-tokens", "8",
            "--concurrency", "1,2", "--repeats", "1", "--blas", "auto", "--output-json", str(out)]
     # The worker is a fresh process that chooses its BLAS from this variable; don't inherit a test's.
     env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_BLAS"}

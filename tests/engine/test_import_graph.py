@@ -1,6 +1,7 @@
-"""The package layering: no import cycles among engine/, server/ and metal_kernels/ modules (lazy
-imports inside functions count too: they are cycles that only hide), the engine never imports the
-server, the load tests or the tools, and `import engine` leaves the process as it was."""
+"""The package layering: no import cycles among engine/, server/, loadtests/ and metal_kernels/ modules
+(imports inside functions and under `if TYPE_CHECKING:` count too: they are cycles that only hide), the
+engine never imports the server, the load tests or the tools, the load tests reach the server over HTTP
+only, and `import engine` leaves the process as it was."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "server", "metal_kernels")
+PACKAGES = ("engine", "server", "loadtests", "metal_kernels")
 
 
 def _module_name(path: Path) -> str:
@@ -19,39 +20,29 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
+def imports_of(tree: ast.AST, modules: set[str]) -> set[str]:
+    """The `modules` that `tree` imports, anywhere: in functions and under `if TYPE_CHECKING:` too."""
+    deps: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for t in targets:
+            # the longest project module the name refers to ("engine.kv.X" -> "engine.kv")
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t not in PACKAGES:  # a package's bare name: its empty __init__
+                deps.add(t)
+    return deps
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the project modules it imports (anywhere in the file but `if TYPE_CHECKING:`)."""
+    """module -> the project modules it imports."""
     files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_lines(tree)
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            for t in targets:
-                # the longest project module the name refers to ("engine.kv.X" -> "engine.kv")
-                while t and t not in files:
-                    t = t.rpartition(".")[0]
-                if t and t != name and t not in PACKAGES:  # a package's bare name: its empty __init__
-                    deps.add(t)
-        graph[name] = deps
-    return graph
+    return {name: imports_of(ast.parse(path.read_text(), str(path)), set(files)) - {name}
+            for name, path in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -76,14 +67,33 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def find_cycles(graph: dict[str, set[str]], limit: int = 20) -> list[list[str]]:
+    """Cycles of `graph`, each found after cutting the last edge of the ones before (so one cycle does not
+    hide the others)."""
+    graph = {node: set(deps) for node, deps in graph.items()}
+    cycles: list[list[str]] = []
+    while len(cycles) < limit and (cycle := find_cycle(graph)):
+        cycles.append(cycle)
+        graph[cycle[-2]].discard(cycle[-1])
+    return cycles
+
+
 def test_cycle_finder_finds_a_planted_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert find_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b", "a"], ["c", "d", "c"]]
+
+
+def test_type_checking_and_lazy_imports_count() -> None:
+    text = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from server.settings import X\n"
+            "def f():\n    import engine.core\n")
+    modules = {"server.settings", "engine.core"}
+    assert imports_of(ast.parse(text), modules) == modules
 
 
 def test_no_import_cycles() -> None:
-    cycle = find_cycle(import_graph())
-    assert cycle is None, " -> ".join(cycle)
+    cycles = find_cycles(import_graph())
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
 def test_engine_imports_no_server_loadtests_or_tools() -> None:
@@ -93,6 +103,13 @@ def test_engine_imports_no_server_loadtests_or_tools() -> None:
     for path in (ROOT / "engine").rglob("*.py"):
         text = path.read_text()
         assert "import loadtests" not in text and "from tools" not in text, path
+
+
+def test_loadtests_import_nothing_from_the_server() -> None:
+    # They measure what any client sees: the server only through its HTTP API (a subprocess).
+    bad = sorted((m, d) for m, deps in import_graph().items() if m.startswith("loadtests") for d in deps
+                 if d.split(".")[0] == "server")
+    assert not bad, bad
 
 
 def test_import_engine_changes_nothing() -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from engine.cpu.bitmask import apply_bitmask
 from engine.request import Request
-from engine.runner import apply_grammar_masks
+from engine.runner import ModelRunner, apply_grammar_masks
 from engine.sampling import SamplingParams, StructuredOutputs
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step import ScheduledRequest, SchedulerOutput
 from engine.structured import GrammarError
 from tests.helpers import chat_prompts, default_model, make_llm
 
@@ -70,9 +70,9 @@ def test_grammar_masks_set_forbidden_tokens_to_minus_inf_in_place(use_c: bool) -
     params = SamplingParams()
     sr = ScheduledRequest("a", [1, 2], 0, [0], 2, [9], params, [1], [], [2], grammar=_FixedMasks(mask))
     plain = ScheduledRequest("b", [1], 0, [1], 1, [], params, [1], [], [2])
-    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [1, 2], [False, True])
+    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [False, True])
     assert np.array_equal(host, before)  # a lazy request's rows wait for its argmax
-    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [1, 2], [False, False])
+    apply_grammar_masks(host, SchedulerOutput([plain, sr]), [False, False])
     assert np.array_equal(host[0], before[0]) and np.isfinite(host[1]).sum() == 1
 
 
@@ -236,8 +236,8 @@ def test_lazy_masks_give_the_masked_tokens_with_fewer_masks(monkeypatch: pytest.
     for spec in (None, NGRAM):
         runs = {}
         for lazy in (False, True):
+            monkeypatch.setattr(ModelRunner, "lazy_grammar_masks", lazy)
             llm = make_llm(speculative_config=spec)
-            llm.core.runner.lazy_grammar_masks = lazy
             filled["rows"] = 0
             outs = llm.generate(chat_prompts(llm, texts), params)
             runs[lazy] = ([o.token_ids for o in outs], filled["rows"])

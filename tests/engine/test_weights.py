@@ -20,6 +20,7 @@ from engine.cpu.qgemm import PackedWeights
 from engine.llm import LLM
 from engine.models.loader import LoadedModel, default_model_folder, load_model
 from engine.models.weights import CpuEmbedding, CpuLinear, precision_name
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.helpers import CHATS, default_model
 
@@ -47,13 +48,10 @@ def _core(loaded: LoadedModel, activation_precision: str = "auto") -> EngineCore
 def _forward(core: EngineCore, chunks: list[tuple[list[int], int, list[int]]], use_stack: bool) -> np.ndarray:
     """Hidden states at every position of one step over `chunks` (tokens, start, block table)."""
     runner = core.runner
-    saved = runner.stack
-    runner.stack = saved if use_stack else None
-    try:
-        h = runner.forward_chunks([(t, s, b, len(t)) for t, s, b in chunks])
-        return np.array(adapter_logits(core, h))
-    finally:
-        runner.stack = saved
+    if not use_stack:  # the same model and cache through MLX's modules
+        runner = ModelRunner(runner.model, runner.kv, runner.caches[0].attention_fn)
+    h = runner.forward_chunks([(t, s, b, len(t)) for t, s, b in chunks])
+    return np.array(adapter_logits(core, h))
 
 
 def adapter_logits(core: EngineCore, h: mx.array) -> mx.array:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.attention import cpu as cpu_attention
 from engine.attention.reference import paged_attention_reference
 from engine.attention.selector import select_attention
+from engine.cpu import attention as cpu_attention
 from engine.cpu import build as cbuild
 from engine.cpu import gemm as small_gemm
 
@@ -66,7 +66,7 @@ def test_selection_auto_forced_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernels_are_unavailable_on_a_cpu_without_a_kernel_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     """An x86-64 CPU without AVX2 + FMA + F16C: no kernel is built, each reports why, and the attention
     selector falls back to the reference path (an explicit `cpu` backend is refused)."""
-    from engine.spec import mtp_cpu
+    from engine.cpu import mtp as mtp_cpu
 
     monkeypatch.setattr(cbuild, "cpu_flags", lambda: OLD_HOST)
     monkeypatch.setattr(cbuild, "machine", lambda: "x86_64")

@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention.cpu import cpu_paged_attention, unsupported_reason
 from engine.attention.reference import paged_attention_reference
 from engine.attention.selector import select_attention
 from engine.attention.types import build_metadata
+from engine.cpu.attention import cpu_paged_attention, unsupported_reason
 from engine.kv.cache import PagedKVCache
 from tests.kernels.test_metal_kernels import _dense_reference, _scenario
 
@@ -61,7 +61,7 @@ def test_each_row_is_bitwise_what_it_gets_alone(isa: str) -> None:
 def test_long_chunks_split_over_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step with over ~1 ms of attention (a long prefill chunk) is shared between threads: the output
     is the dense reference's, and bitwise the one-thread output."""
-    import engine.attention.cpu as ca
+    import engine.cpu.attention as ca
 
     q, kb, vb, meta, chunks = _scenario(5, 16, 64, [(600, 64), (30, 1), (200, 5)], num_heads=9,
                                         num_kv_heads=3)
@@ -119,7 +119,7 @@ def test_refuses_what_it_cannot_compute() -> None:
 
 @needs_kernel
 def test_self_test_passes_and_the_kernel_is_selected() -> None:
-    from engine.attention import cpu as cpu_attention
+    from engine.cpu import attention as cpu_attention
 
     assert cpu_attention.self_test() == []
     assert select_attention("auto")[0] is cpu_paged_attention

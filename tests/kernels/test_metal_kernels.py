@@ -207,7 +207,7 @@ def test_emulated_kernels_read_per_layer_head_sizes(window: int | None) -> None:
 
 
 def test_backend_selection_here() -> None:
-    from engine.attention.cpu import cpu_paged_attention, unsupported_reason
+    from engine.cpu.attention import cpu_paged_attention, unsupported_reason
 
     fn, label = select_attention("auto")
     if not NO_METAL:
@@ -587,7 +587,8 @@ def test_server_refuses_forced_metal_backend_before_loading(capsys: pytest.Captu
 
 
 def test_cli_flag_reaches_the_engine_config() -> None:
-    from server.cli import build_parser, resolve_settings
+    from server.cli import build_parser
+    from server.cli.serve import resolve_settings
 
     settings = resolve_settings(build_parser().parse_args(["serve", "--attention-backend", "reference"]), {})
     assert settings.engine_config_kwargs()["attention_backend"] == "reference"

@@ -22,6 +22,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.spec.mtp import MTPProposer
 from engine.spec.proposer import DraftRequest
+from engine.step import HiddenRow
 from tests.helpers import CHATS, hub_repo, run_offline, save_with_default_tokenizer, scale_weights
 
 torch = pytest.importorskip("torch", reason="torch (a test-only dependency: pip install torch==2.13.0) "
@@ -138,15 +139,14 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool, target_k
     layout = adapter.kv_layout(loaded.model)
     assert assistant.target_layers == {None: [2, 3], "e2b": [5, 4], "31b": [4, 5]}[target_kind]
     assert all(layout.sources[i] == i for i in assistant.target_layers)
-    prop = MTPProposer(assistant, loaded, runner)
+    prop = MTPProposer(assistant, loaded, kv)
     tok = loaded.tokenizer
     prompts = [tok.encode(CHATS[0])[:21], tok.encode(CHATS[1])[:6]]  # past the window of 8, and inside it
     tables = [[3, 5, 7, 9], [0, 1]]
     reqs = []
     for i, (ids, table) in enumerate(zip(prompts, tables, strict=True)):
         h = runner.forward_chunks([(ids[:-1], 0, table, 1)])
-        runner.mtp_hidden[f"r{i}"] = (len(ids) - 1, h[0])  # type: ignore[index]
-        reqs.append(DraftRequest(f"r{i}", ids, len(ids), 3, table))
+        reqs.append(DraftRequest(f"r{i}", ids, len(ids), 3, table, hidden=HiddenRow(len(ids) - 1, h[0])))
     for batch in ([reqs[0]], [reqs[1]], reqs):
         drafts, logits = prop.draft(batch, keep_logits=True)
         for j, r in enumerate(batch):
@@ -169,7 +169,7 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool, target_k
     lengths = set()
     mids = [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)]
     for cut in mids + [edges[-1] * 1.01]:
-        gated = MTPProposer(assistant, loaded, runner, min_token_prob=cut).propose(reqs)
+        gated = MTPProposer(assistant, loaded, kv, min_token_prob=cut).propose(reqs)
         for j, row in enumerate(probs):
             n = next((i for i, x in enumerate(row) if x < cut), len(row))
             assert gated[j] == drafts[j][:n], (cut, j)
@@ -177,7 +177,7 @@ def test_draft_logits_match_transformers(tmp_path: Path, ordered: bool, target_k
     assert len(lengths) >= 3, lengths  # the cuts did land at several lengths
     # One cut-off per position (the last repeating): position 0 against the first, later ones the second.
     for first, later in [(mids[0], mids[-1]), (mids[-1], mids[0]), (0.0, mids[len(mids) // 2])]:
-        gated = MTPProposer(assistant, loaded, runner, min_token_prob=[first, later]).propose(reqs)
+        gated = MTPProposer(assistant, loaded, kv, min_token_prob=[first, later]).propose(reqs)
         for j, row in enumerate(probs):
             n = next((i for i, x in enumerate(row) if x < (first if i == 0 else later)), len(row))
             assert gated[j] == drafts[j][:n], (first, later, j)
@@ -211,7 +211,7 @@ def test_greedy_with_mtp_equals_without(tmp_path: Path, k: int, target_kind: str
     mixed = spec.generate(prompts[:2] + prompts[:1], [greedy, greedy, sampled])
     assert [o.token_ids for o in mixed[:2]] == ref[:2]
     assert spec.core.kv.num_free_blocks == spec.core.kv.pool.num_blocks
-    assert not spec.core.runner.mtp_hidden  # released with the requests
+    assert not spec.core.speculation.hidden  # released with the requests
 
 
 @pytest.mark.parametrize("override, message", [

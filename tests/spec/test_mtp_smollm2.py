@@ -88,7 +88,7 @@ def _drafting_core(target, params: list[SamplingParams] | None = None):  # noqa:
         for o in outs:
             first.setdefault(o.request_id, o.new_token_ids[0])
     reqs = [DraftRequest(f"r{i}", [*p, first[f"r{i}"]], len(p), 3, core.kv.block_table(f"r{i}"),
-                         params=params[i] if params else None)
+                         params=params[i] if params else None, hidden=core.speculation.hidden[f"r{i}"])
             for i, p in enumerate(prompts)]
     return core, prop, prompts, reqs
 
@@ -110,7 +110,8 @@ def test_c_pass_drafts_what_the_mlx_module_drafts(target) -> None:  # noqa: ANN0
     # A block table too short for the position (never expected) drafts nothing instead of reading past it.
     r, block_size = reqs[0], core.runner.kv.block_size
     assert r.block_table is not None and len(r.token_ids) > 2 * block_size
-    short = DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, 3, r.block_table[:1])
+    short = DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, 3, r.block_table[:1],
+                         hidden=r.hidden)
     prop.cuts = [0.0]  # no cut-off could hide drafts made from a read past the table
     assert prop.draft([short])[0] == [[]]
     for i in range(len(prompts)):

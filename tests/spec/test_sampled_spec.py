@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import engine.runner as runner_module
+import engine.spec.verify as verify_module
 from engine.sampler import process_logits
 from engine.sampling import SamplingParams
 from engine.spec.rejection import RejectionConfig
@@ -82,8 +82,9 @@ def test_verifier_with_its_own_randomness_is_not_plain_decoding() -> None:
     """Block verification is lossless, but draws its own uniforms: seeded outputs differ from plain ones.
     This is what the coupled check above must not do."""
     plain = plain_llm()
-    spec = make_llm(speculative_config=SPECS["mtp"], **KW)  # drafts at every step, often rejected
-    spec.core.runner.rejection = RejectionConfig("block")
+    # drafts at every step, often rejected
+    spec = make_llm(speculative_config=SPECS["mtp"] | {"rejection_sample_method": "block"}, **KW)
+    assert spec.core.runner.rejection == RejectionConfig("block")
     prompts = [chat(plain, COPY), chat(plain, CHATS[3]), chat(plain, CHATS[7])]
     params = [sampled(11 + i, temperature=1.0, top_p=1.0) for i in range(len(prompts))]
     ref = [o.token_ids for o in plain.generate(prompts, params)]
@@ -144,8 +145,8 @@ def test_first_tokens_follow_plain_decodings_distribution(method: str, text: str
 
 @pytest.mark.slow
 def test_a_verifier_that_accepts_every_draft_fails_the_distribution_test() -> None:
-    broken = make_llm(speculative_config=SPECS["mtp"], **KW)
-    broken.core.runner.rejection = RejectionConfig("synthetic", synthetic_acceptance_rate=1.0)
+    broken = make_llm(speculative_config=SPECS["mtp"] | {"rejection_sample_method": "synthetic",
+                                                         "synthetic_acceptance_rate": 1.0}, **KW)
     params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
     bad = first_tokens(broken, chat(broken, CHATS[1]), N_SAMPLES, params)
     ref = plain_first_tokens(CHATS[1], 1.0, 1.0)
@@ -157,7 +158,7 @@ def test_a_verifier_that_accepts_every_draft_fails_the_distribution_test() -> No
 def record_rows(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, ...], np.ndarray]:
     """Every row the sampler sees, processed (min_tokens, penalties), keyed by its output so far."""
     rows: dict[tuple[int, ...], np.ndarray] = {}
-    real = runner_module.sample
+    real = verify_module.sample
 
     def recording(logits: mx.array, states: list[Any]) -> Any:
         processed = np.array(process_logits(logits, states))
@@ -165,7 +166,7 @@ def record_rows(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, ...], np.nda
             rows.setdefault(tuple(st.output_token_ids), processed[i])
         return real(logits, states)
 
-    monkeypatch.setattr(runner_module, "sample", recording)
+    monkeypatch.setattr(verify_module, "sample", recording)
     return rows
 
 
@@ -204,8 +205,8 @@ def test_logprobs_of_accepted_tokens_equal_plain_decodings() -> None:
 
 
 def test_rejection_rules_report_logprobs_of_the_tokens_they_emit() -> None:
-    spec = make_llm(speculative_config=SPECS["mtp"], **KW)
-    spec.core.runner.rejection = RejectionConfig("synthetic", synthetic_acceptance_rate=0.5)
+    spec = make_llm(speculative_config=SPECS["mtp"] | {"rejection_sample_method": "synthetic",
+                                                       "synthetic_acceptance_rate": 0.5}, **KW)
     (out,) = spec.generate([chat(spec, CHATS[1])], SamplingParams(max_tokens=16, temperature=0.8, logprobs=2,
                                                                   seed=3, ignore_eos=True))
     assert out.spec_num_accepted_tokens > 0 and len(out.token_ids) == 16

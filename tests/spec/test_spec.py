@@ -16,7 +16,7 @@ from engine.spec.config import SpeculativeConfigError, parse_speculative_config
 from engine.spec.ngram import find_ngram_draft
 from engine.spec.proposer import DraftRequest
 from engine.spec.suffix import SuffixProposer
-from engine.spec.verify import verify_greedy, verify_greedy_constrained
+from engine.spec.verify import accept_matching, accept_matching_constrained
 from tests.helpers import CHATS, default_model, make_llm
 
 MAX_TOKENS = 32
@@ -82,20 +82,20 @@ def assert_pool_full(llm) -> None:
     ([1, 2, 3], [1, 2, 8, 4], [1, 2, 8]),  # late mismatch
     ([4, 4], [4, 4, 4], [4, 4, 4]),  # repeats
 ])
-def test_verify_greedy_table(drafts: list[int], target: list[int], expected: list[int]) -> None:
-    assert verify_greedy(drafts, target) == expected
+def test_accept_matching_table(drafts: list[int], target: list[int], expected: list[int]) -> None:
+    assert accept_matching(drafts, target) == expected
 
 
-def test_verify_greedy_rejects_bad_shapes() -> None:
+def test_accept_matching_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError):
-        verify_greedy([1, 2], [1, 2])
+        accept_matching([1, 2], [1, 2])
     with pytest.raises(ValueError):
-        verify_greedy_constrained([1, 2], [1, 2], lambda i, t: True, lambda i: 0)
+        accept_matching_constrained([1, 2], [1, 2], lambda i, t: True, lambda i: 0)
 
 
 def test_constrained_verification_without_masks_equals_verification_over_masked_logits() -> None:
     """Random logits, allowed sets (drafts the grammar forbids included) and ties: masking only where the
-    unmasked argmax is not allowed gives verify_greedy's tokens over the masked rows, and no position past
+    unmasked argmax is not allowed gives accept_matching's tokens over the masked rows, and no position past
     the first rejected draft is asked about."""
     rng = random.Random(7)
 
@@ -107,14 +107,14 @@ def test_constrained_verification_without_masks_equals_verification_over_masked_
         logits = [[float(rng.randint(0, 3)) for _ in range(vocab)] for _ in range(k + 1)]  # many ties
         allowed = [set(rng.sample(range(vocab), rng.randint(1, vocab))) for _ in range(k + 1)]
         drafts = [rng.randrange(vocab) for _ in range(k)]
-        want = verify_greedy(drafts, [argmax(r, a) for r, a in zip(logits, allowed, strict=True)])
+        want = accept_matching(drafts, [argmax(r, a) for r, a in zip(logits, allowed, strict=True)])
         asked: list[int] = []
 
         def allows(i: int, t: int, allowed: list[set[int]] = allowed, asked: list[int] = asked) -> bool:
             asked.append(i)
             return t in allowed[i]
 
-        got = verify_greedy_constrained(drafts, [argmax(r) for r in logits], allows,
+        got = accept_matching_constrained(drafts, [argmax(r) for r in logits], allows,
                                         lambda i, lg=logits, al=allowed: argmax(lg[i], al[i]))
         assert got == want
         assert asked == list(range(len(got)))

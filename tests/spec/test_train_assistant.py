@@ -174,7 +174,8 @@ def test_served_first_draft_is_the_training_forward_argmax(tmp_path: Path) -> No
         outs, _ = core.step()  # the prefill: its last row samples the first token
         (first,) = [o.new_token_ids[0] for o in outs if o.request_id == rid]
         seq = prompt + [first]
-        draft_req = DraftRequest(rid, seq, len(prompt), 1, core.kv.block_table(rid))
+        draft_req = DraftRequest(rid, seq, len(prompt), 1, core.kv.block_table(rid),
+                                 hidden=core.speculation.hidden.get(rid))
         (served,) = core.speculation.proposer.draft([draft_req])[0]
         b = _batch(target_features(target, [seq], layer), *args)
         logits, _ = net.train_logits(b[0], b[1], b[2])
@@ -191,7 +192,7 @@ def test_metrics_per_position_agree_with_benchmark_counts(tmp_path: Path) -> Non
 
     from loadtests.offline import run_batch
     from tests.conftest import run_server
-    from tests.server.test_server_spec import spec_counters
+    from tests.server.api.test_server_spec import spec_counters
 
     target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
     out = tmp_path / "assistant"
