@@ -102,8 +102,7 @@ class CpuLayerStack:
         self._keep: list[Any] = []
         inner = model.model
         layers = list(inner.layers)
-        attn0 = layers[0].self_attn
-        rope = attn0.rope
+        attn0, rope = layers[0].self_attn, layers[0].self_attn.rope
         if type(rope) is not nn.RoPE:
             raise _Unsupported(f"RoPE variant {type(rope).__name__}")
         shape = kv.uniform_shape()

@@ -5,7 +5,8 @@ attention to paged attention."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, overload
@@ -216,6 +217,31 @@ def _tapped(cls: type) -> type:
     return sub
 
 
+@contextmanager
+def layer_input_taps(model: nn.Module, aux_layers: tuple[int, ...]) -> Iterator[list[mx.array]]:
+    """Inside the block, the model's calls record the input of each asked layer (ascending ids; id L: the
+    final norm's input) into the yielded list; the taps are gone on exit, whatever happens."""
+    inner = model.model
+    layers = list(inner.layers)
+    ids = aux_order(aux_layers, len(layers))
+    mods = [layers[i] if i < len(layers) else inner.norm for i in ids]
+    classes = [type(m) for m in mods]
+    seen: list[mx.array | None] = [None] * len(ids)
+    out: list[mx.array] = []
+    try:
+        for j, m in enumerate(mods):
+            m.__dict__[_TAP_ATTR] = partial(seen.__setitem__, j)
+            m.__class__ = _tapped(classes[j])
+        yield out
+    finally:  # nothing else sees the taps
+        for m, cls in reversed(list(zip(mods, classes, strict=True))):
+            m.__class__ = cls
+            m.__dict__.pop(_TAP_ATTR, None)
+    if any(a is None for a in seen):
+        raise RuntimeError(f"the model did not call every asked layer ({ids})")
+    out.extend(a for a in seen if a is not None)
+
+
 @overload
 def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCache]) -> mx.array: ...
 
@@ -236,24 +262,10 @@ def hidden_states(model: nn.Module, tokens: mx.array, caches: list[PagedLayerCac
     if aux_layers is None:
         h = inner(x, cache=caches)
         return h[0] if single else h[:, 0, :]
-    layers = list(inner.layers)
-    ids = aux_order(aux_layers, len(layers))
-    mods = [layers[i] if i < len(layers) else inner.norm for i in ids]
-    classes = [type(m) for m in mods]
-    seen: list[mx.array | None] = [None] * len(ids)
-    try:
-        for j, m in enumerate(mods):
-            m.__dict__[_TAP_ATTR] = partial(seen.__setitem__, j)
-            m.__class__ = _tapped(classes[j])
+    with layer_input_taps(model, aux_layers) as seen:
         h = inner(x, cache=caches)
-    finally:  # nothing else sees the taps
-        for m, cls in reversed(list(zip(mods, classes, strict=True))):
-            m.__class__ = cls
-            m.__dict__.pop(_TAP_ATTR, None)
     h = h[0] if single else h[:, 0, :]
-    if any(a is None for a in seen):
-        raise RuntimeError(f"the model did not call every asked layer ({ids})")
-    rows = [a.reshape(-1, a.shape[-1]) for a in seen if a is not None]  # [T, 1, D] or [1, T, D] -> [T, D]
+    rows = [a.reshape(-1, a.shape[-1]) for a in seen]  # [T, 1, D] or [1, T, D] -> [T, D]
     aux = mx.concatenate(rows, axis=-1) if rows else mx.zeros((h.shape[0], 0), h.dtype)
     return h, aux
 

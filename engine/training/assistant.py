@@ -289,10 +289,25 @@ def agreement(net: TrainedAssistant, feats: list[Features], embed: nn.Module,
 def _save_state(out: Path, net: TrainedAssistant, opt: optim.Optimizer, step: int) -> None:
     ck = out / "checkpoint"
     save_trained(net, ck, dtype=mx.float32)
-    state = dict(tree_flatten(opt.state))
-    mx.save_safetensors(str(ck / "optimizer.safetensors"), {k: v for k, v in state.items()
+    save_optimizer(ck, opt, {"step": step})
+
+
+def save_optimizer(ck: Path, opt: optim.Optimizer, state: dict) -> None:
+    """The optimizer's arrays into `ck/optimizer.safetensors` and `state` (the step) into `ck/state.json`."""
+    arrays = dict(tree_flatten(opt.state))
+    mx.save_safetensors(str(ck / "optimizer.safetensors"), {k: v for k, v in arrays.items()
                                                             if isinstance(v, mx.array)})
-    (ck / "state.json").write_text(json.dumps({"step": step}))
+    (ck / "state.json").write_text(json.dumps(state))
+
+
+def restore_optimizer(ck: Path, opt: optim.Optimizer, params: dict) -> None:
+    """`opt` initialised for `params` with the moments and step `save_optimizer` wrote into `ck`."""
+    opt.init(params)
+    saved = load_arrays(str(ck / "optimizer.safetensors"))
+    mx.eval(saved)  # mx.load is lazy and the file is rewritten at the next checkpoint
+    state = dict(tree_flatten(opt.state))
+    state.update(saved)
+    opt.state = tree_unflatten(list(state.items()))
 
 
 def _training_features(target: LoadedModel, out: Path, prompts_path: Path, s: TrainSettings, layer: int,
@@ -336,12 +351,7 @@ def _net_and_optimizer(target: LoadedModel, out: Path, head_ids: list[int], laye
     sched = optim.cosine_decay(s.lr, max(1, s.steps), end=s.lr * 0.05)
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
     if start:
-        opt.init(net.trainable_parameters())
-        saved = load_arrays(str(ck / "optimizer.safetensors"))
-        mx.eval(saved)  # mx.load is lazy and the file is rewritten at the next checkpoint
-        state = dict(tree_flatten(opt.state))
-        state.update(saved)
-        opt.state = tree_unflatten(list(state.items()))
+        restore_optimizer(ck, opt, net.trainable_parameters())
     return net, opt, start
 
 

@@ -13,15 +13,15 @@ from server.cli import bench, prepare, serve, train
 
 # Every subcommand but serve, which also takes the command line (its tensor-parallel ranks rerun it).
 _RUN: dict[str, Callable[[argparse.Namespace], int]] = {
-    "prepare": prepare.run, "train-assistant": train.run_assistant, "train-draft": train.run_draft,
-    "bench": bench.run}
+    "prepare": prepare.run, "train-assistant": train.run_assistant, "train-eagle3": train.run_eagle3,
+    "train-draft": train.run_draft, "bench": bench.run}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible LLM server on MLX.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{serve,prepare,train-assistant,train-draft,bench}")
+                                metavar="{serve,prepare,train-assistant,train-eagle3,train-draft,bench}")
     serve.add_parser(sub)
     prepare.add_parser(sub)
     train.add_parsers(sub)

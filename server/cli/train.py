@@ -1,4 +1,4 @@
-"""`specserve train-assistant` and `specserve train-draft`: the command lines of engine/training/."""
+"""`specserve train-assistant`, `train-eagle3` and `train-draft`: the command lines of engine/training/."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 
 def add_parsers(sub: Any) -> None:
-    # Numeric training flags default to None: the defaults live in TrainSettings / DraftSettings.
+    # Numeric training flags default to None: the defaults live in TrainSettings / Eagle3Settings /
+    # DraftSettings.
     train = sub.add_parser("train-assistant", help="self-distil an MTP assistant for MODEL (method: mtp)",
                            description="The target writes its own training text, then a small assistant "
                                        "learns its next-next token on MLX. Resumable: rerun to continue.")
@@ -25,6 +26,26 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--seed", type=int)
     train.add_argument("--answer-only", action="store_true",
                        help="score answer positions only (default: every position)")
+    eagle = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for MODEL (method: eagle3)",
+                           description="The target writes its own training text, then a one-layer EAGLE-3 "
+                                       "head learns to draft from the target's features with training-time "
+                                       "test, saved in the speculators layout. Rerun with --resume to "
+                                       "continue.")
+    eagle.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    eagle.add_argument("--out", required=True, help="output folder (checkpoint/ and data/ go inside)")
+    eagle.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
+    eagle.add_argument("--heldout", default=None,
+                       help="JSONL of held-out prompts for the top-1 figures (default: configs/; '': none)")
+    eagle.add_argument("--max-sequences", type=int, help="training prompts used, one answer each (0: all)")
+    eagle.add_argument("--max-new-tokens", type=int, help="tokens the target writes per answer")
+    eagle.add_argument("--draft-vocab-size", type=int,
+                       help="the head's vocabulary: the most frequent answer tokens")
+    eagle.add_argument("--steps", type=int, help="training steps")
+    eagle.add_argument("--batch-size", type=int, help="sequences per step")
+    eagle.add_argument("--lr", type=float, help="peak learning rate (AdamW, warm-up then cosine decay)")
+    eagle.add_argument("--ttt-steps", type=int, help="training-time-test steps (draft positions trained)")
+    eagle.add_argument("--seed", type=int)
+    eagle.add_argument("--resume", action="store_true", help="continue OUT/checkpoint")
     draft = sub.add_parser("train-draft", help="distil a small draft model for MODEL (method: draft_model)",
                            description="The target's first layers, trained on the text the target writes "
                                        "itself. Resumable: rerun to continue.")
@@ -43,6 +64,12 @@ def add_parsers(sub: Any) -> None:
 # The trainers import MLX, which must load after platform.setup() (server.cli.main).
 def run_assistant(args: argparse.Namespace) -> int:
     from engine.training.assistant import main_cli
+
+    return main_cli(args)
+
+
+def run_eagle3(args: argparse.Namespace) -> int:
+    from engine.training.eagle3 import main_cli
 
     return main_cli(args)
 
