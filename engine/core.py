@@ -66,7 +66,13 @@ class EngineCore:
         if self.spec is not None and self.spec.max_model_len:
             self.spec_max_len = min(self.spec_max_len, self.spec.max_model_len)
         draft_blocks = self._build_kv_cache(draft)
-        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and isinstance(self.spec, Eagle3Config):
+            # The head's KV is its own pool, written only where it drafted: a prefix hit would leave it
+            # without the features of the cached positions, so it could never draft for that request.
+            logger.warning("prefix caching is off with the eagle3 method")
+            prefix_caching = False
+        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.faults = FaultHooks(config.fault_injection)

@@ -241,3 +241,15 @@ def test_seeded_sampling_is_plain_seeded_sampling() -> None:
     params = [SamplingParams(max_tokens=20, temperature=0.8, seed=5 + i) for i in range(3)]
     assert [o.token_ids for o in eagle.generate(prompts, params)] == \
         [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_a_request_after_another_with_the_same_prompt_still_drafts() -> None:
+    """One request after another with a shared chat prefix: each drafts (a prefix-cache hit would leave the
+    head without the cached positions' features, so prefix caching is off with eagle3)."""
+    eagle = llm("lens")
+    tok = eagle.core.tokenizer
+    assert not eagle.core.kv.enable_prefix_caching
+    for _ in range(2):
+        (out,) = eagle.generate([tok.encode(REPEAT)], SamplingParams(max_tokens=16, temperature=0.0))
+        assert out.spec_num_draft_tokens > 0 and out.spec_num_accepted_tokens > 0
+
