@@ -102,13 +102,11 @@ class Eagle3Proposer:
         done, want = self._done.get(r.request_id, 0), len(r.token_ids) - 1
         pending = [f for f in self._pending[r.request_id] if f.end > done]
         self._pending[r.request_id] = pending
-        if not pending or pending[0].start > done or pending[-1].end < want:
+        if not pending or pending[0].start > done or pending[-1].end < want \
+                or any(a.end != b.start for a, b in zip(pending, pending[1:], strict=False)):
             return None
         rows = mx.concatenate([f.rows for f in pending], axis=0) if len(pending) > 1 else pending[0].rows
-        start = pending[0].start
-        if any(a.end != b.start for a, b in zip(pending, pending[1:], strict=False)):
-            return None
-        return rows[done - start : want - start]
+        return rows[done - pending[0].start : want - pending[0].start]
 
     def _run(self, tokens: list[int], hidden: mx.array,
              chunks: list[tuple[int, int, list[int]]]) -> tuple[mx.array, mx.array]:

@@ -371,17 +371,19 @@ class _Teacher:
         return agreement(net, feats, self.embed, self.index, self.rows, self.cap, cuts)
 
 
+def epoch_order(n: int, picks: int, seed: int) -> list[int]:
+    """Indices 0..n-1 in a fresh seeded shuffle per epoch, enough epochs for `picks` draws (and one more)."""
+    rng = random.Random(seed)
+    return [i for _ in range(math.ceil(picks / n) + 1) for i in rng.sample(range(n), n)]
+
+
 def _train_steps(net: TrainedAssistant, opt: optim.Optimizer, start: int, feats: list[Features],
                  held: list[Features], teacher: _Teacher, out: Path, s: TrainSettings,
                  progress: bool) -> tuple[list[float], dict[int, float]]:
     """Train from `start` to `s.steps` (checkpointing), leave `net` at the held-out best step; -> losses and
     held-out top-1 per evaluation."""
     loss_grad = nn.value_and_grad(net, lambda *a: _loss(net, *a)[0])
-    order = list(range(len(feats)))
-    rng = random.Random(s.seed)
-    n_epochs = math.ceil(s.steps * s.batch_size / len(order)) + 1
-    epochs = [rng.sample(order, len(order)) for _ in range(n_epochs)]
-    flat = [i for e in epochs for i in e]
+    flat = epoch_order(len(feats), s.steps * s.batch_size, s.seed)
     losses: list[float] = []
     evals: dict[int, float] = {}
     best: tuple[float, dict[str, mx.array]] | None = None

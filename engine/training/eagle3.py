@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from engine.training.assistant import (
     DEFAULT_PROMPTS,
     TrainSettings,
     chat_length,
+    epoch_order,
     generate_texts,
     given,
     read_prompts,
@@ -390,9 +389,7 @@ def _train_steps(head: Eagle3Head, opt: optim.Optimizer, start: int, feats: list
     """Train from `start` to `s.steps`, calling `save(step)` every `save_every`; -> the losses and held-out
     first-draft top-1 every `eval_every` steps."""
     loss_grad = nn.value_and_grad(head, lambda b: ttt_loss(head, b, s.ttt_steps)[0])
-    rng = random.Random(s.seed)
-    n_epochs = math.ceil(s.steps * s.batch_size / len(feats)) + 1
-    order = [i for _ in range(n_epochs) for i in rng.sample(range(len(feats)), len(feats))]
+    order = epoch_order(len(feats), s.steps * s.batch_size, s.seed)
     losses: list[float] = []
     evals: dict[int, float] = {}
     bar = tqdm(total=s.steps, initial=start, desc="training eagle3 head", disable=not progress)

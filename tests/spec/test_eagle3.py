@@ -13,8 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.attention.types import build_metadata
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.models import adapter
 from engine.models.eagle3 import Eagle3Error, load_eagle3, read_config
 from engine.sampling import SamplingParams
 from engine.spec.config import SpeculativeConfigError, parse_speculative_config
@@ -147,11 +149,7 @@ def dense_drafts(core: EngineCore, ids: list[int], k: int) -> list[int]:
     """The head run densely (causal attention over every row, no paged KV) on the features the target's
     MLX modules give for `ids`: row j pairs token j + 1 with position j's features."""
     runner, head = core.runner, core.speculation.proposer.head  # type: ignore[union-attr]
-    from engine.models import adapter
-
     kv, table = runner.kv, list(range(-(-len(ids) // runner.kv.block_size)))
-    from engine.attention.types import build_metadata
-
     meta = build_metadata([(0, len(ids), table)], kv.block_size)
     for c in runner.caches:
         c.meta = meta
