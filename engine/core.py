@@ -66,13 +66,7 @@ class EngineCore:
         if self.spec is not None and self.spec.max_model_len:
             self.spec_max_len = min(self.spec_max_len, self.spec.max_model_len)
         draft_blocks = self._build_kv_cache(draft)
-        prefix_caching = config.enable_prefix_caching
-        if prefix_caching and isinstance(self.spec, Eagle3Config):
-            # The head's KV is its own pool, written only where it drafted: a prefix hit would leave it
-            # without the features of the cached positions, so it could never draft for that request.
-            logger.warning("prefix caching is off with the eagle3 method")
-            prefix_caching = False
-        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, prefix_caching)
+        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.faults = FaultHooks(config.fault_injection)
@@ -94,6 +88,9 @@ class EngineCore:
         bs = self.config.block_size
         layout = adapter.kv_layout(self.loaded.model)
         per_block = PagedKVCache.bytes_per_block(layout.shapes, bs, self.loaded.dtype)
+        if isinstance(draft, LoadedEagle3):  # the head's KV sits at the target's block ids: one budget
+            per_block += draft_bytes_per_block(draft, bs)
+            draft = None
         num_blocks, draft_blocks = self._split_kv_budget(per_block, draft)
         need = -(-self.max_model_len // bs)
         if num_blocks < need:

@@ -183,8 +183,9 @@ def build_kernel(source: Path, name: str, isa: str | None = None, out_dir: Path 
     if isa is None:
         raise RuntimeError(f"no C kernels here: {isa_status()}")
     here = Path(__file__).parent
-    includes = [here / "simd.h", *sorted(p for p in here.glob("*.c") if p != source and
-                                         f'#include "{p.name}"' in source.read_text())]
+    text = source.read_text()
+    others = [p for p in [*here.glob("*.c"), *here.glob("*.h")] if p not in (source, here / "simd.h")]
+    includes = [here / "simd.h", *sorted(p for p in others if f'#include "{p.name}"' in text)]
     return build_library(source, f"{name}-{isa}", isa_flags(isa), out_dir, includes=includes)
 
 

@@ -12,12 +12,9 @@
 // RoPE (split halves), attention over the target's head-major paged KV (keys at positions < the query's),
 // output projection, RMSNorm, SwiGLU MLP, final RMSNorm, reduced-vocabulary head (argmax and its
 // probability), post_projection. Drafts are verified by the target, so rounding never reaches outputs.
-#include "simd.h"
+#include "head_ops.h"
 
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 typedef struct {
     int backbone, hidden, heads, kv_heads, head_dim, inter, head_size;
@@ -27,75 +24,6 @@ typedef struct {
     // RMSNorm weights, float32
     const float *ln_in, *ln_post, *ln_final;
 } Assistant;
-
-// y[r, j] = dot(W[j, :], x[r, :]) for r < n, j < out. One thread: splitting the output rows between
-// two cores was slower with the weights cached and no faster from memory.
-static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, float *y) {
-    const int full = in & ~15;
-    for (int j = 0; j < out; j++) {
-        const uint16_t *row = w + (size_t)j * in;
-        for (int r = 0; r < n; r++) {
-            const float *xr = x + (size_t)r * in;
-            vf acc = vzero();
-            for (int k = 0; k < full; k += 16) acc = vfma(vload_f16(row + k), vload(xr + k), acc);
-            float s = vhsum(acc);
-            for (int k = full; k < in; k++) s += f16_to_f32(row[k]) * xr[k];
-            y[(size_t)r * out + j] = s;
-        }
-    }
-}
-
-static void rms_norm(const float *x, const float *g, int d, float eps, float *y) {
-    double ss = 0.0;
-    for (int i = 0; i < d; i++) ss += (double)x[i] * x[i];
-    const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
-    for (int i = 0; i < d; i++) y[i] = x[i] * inv * g[i];
-}
-
-// Split-halves RoPE (mlx.nn.RoPE, traditional=False) of one head at position p.
-static void rope(float *v, int d, int p, float base) {
-    const int half = d / 2;
-    for (int i = 0; i < half; i++) {
-        const float theta = (float)p * powf(base, -(float)(2 * i) / (float)d);
-        const float c = cosf(theta), s = sinf(theta);
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c - b * s;
-        v[i + half] = a * s + b * c;
-    }
-}
-
-// Attention of one request's query heads over its keys 0..pos-1 in the head-major cache
-// ([kv_heads, slots, head_dim]); slot of position t: table[t / block_size] * block_size + t % block_size.
-static void attend(const Assistant *a, const float *q, int pos, const int32_t *table, int block_size,
-                   const float *kc, const float *vc, long slots, float *out, float *scores) {
-    const int d = a->head_dim, group = a->heads / a->kv_heads;
-    const float scale = 1.0f / sqrtf((float)d);
-    for (int h = 0; h < a->heads; h++) {
-        const int kvh = h / group;
-        const float *qh = q + (size_t)h * d;
-        const float *kbase = kc + (size_t)kvh * slots * d, *vbase = vc + (size_t)kvh * slots * d;
-        float mx = -INFINITY;
-        for (int t = 0; t < pos; t++) {
-            const float *k = kbase + ((size_t)table[t / block_size] * block_size + t % block_size) * d;
-            float s = 0.0f;
-            for (int i = 0; i < d; i++) s += qh[i] * k[i];
-            scores[t] = s * scale;
-            if (scores[t] > mx) mx = scores[t];
-        }
-        float sum = 0.0f;
-        for (int t = 0; t < pos; t++) {
-            scores[t] = expf(scores[t] - mx);
-            sum += scores[t];
-        }
-        float *oh = out + (size_t)h * d;
-        memset(oh, 0, sizeof(float) * d);
-        for (int t = 0; t < pos; t++) {
-            const float *v = vbase + ((size_t)table[t / block_size] * block_size + t % block_size) * d;
-            const float w = scores[t] / sum;
-            for (int i = 0; i < d; i++) oh[i] += w * v[i];
-        }
-    }
-}
 
 // One pass for n requests. x: [n, 2 * backbone] = [scaled target embedding of the newest token, hidden
 // state]; pos[r]: the query position (keys 0..pos-1 exist); tables: [n, table_len] block ids.
@@ -121,8 +49,8 @@ static int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *po
     for (int r = 0; r < n; r++) {
         for (int hh = 0; hh < a->heads; hh++) rope(q + (size_t)r * qd + (size_t)hh * a->head_dim,
                                                    a->head_dim, pos[r], a->rope_base);
-        attend(a, q + (size_t)r * qd, pos[r], tables + (size_t)r * table_len, block_size, kc, vc, slots,
-               att + (size_t)r * qd, scores);
+        attend(a->heads, a->kv_heads, a->head_dim, q + (size_t)r * qd, pos[r], tables + (size_t)r * table_len,
+               block_size, kc, vc, slots, att + (size_t)r * qd, scores);
     }
     gemv_f16(a->o, d, qd, att, n, u);
     for (size_t i = 0; i < (size_t)n * d; i++) h[i] += u[i];
@@ -136,9 +64,7 @@ static int mtp_pass(const Assistant *a, int n, const float *x, const int32_t *po
     gemv_f16(a->head, a->head_size, d, t, n, logits);
     for (int r = 0; r < n; r++) {
         const float *l = logits + (size_t)r * a->head_size;
-        int arg = 0;
-        for (int i = 1; i < a->head_size; i++)
-            if (l[i] > l[arg]) arg = i;
+        const int arg = argmax_f32(l, a->head_size);
         double sum = 0.0;
         for (int i = 0; i < a->head_size; i++) sum += exp((double)(l[i] - l[arg]));
         best[r] = arg;

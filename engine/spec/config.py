@@ -175,6 +175,9 @@ class DraftModelConfig(_ModelDrafter):
 
 
 _Prob = Annotated[float, Field(ge=0, lt=1)]
+# Ours (mtp, eagle3): auto runs the head's passes in C where they apply, else MLX; mlx: always MLX (the C
+# loop's reference).
+DraftBackend = Literal["auto", "mlx"]
 
 
 class MTPConfig(_ModelDrafter):
@@ -184,8 +187,7 @@ class MTPConfig(_ModelDrafter):
     # Ours: a draft stops at the first token below this probability (a list: one cut-off per position, the
     # last repeating), so unlikely drafts cost no verification (docs/mtp.md).
     draft_min_token_prob: _Prob | Annotated[list[_Prob], Field(min_length=1)] = 0.0
-    # auto: the assistant's passes in C where they apply, else MLX; mlx: always MLX (the C loop's reference).
-    draft_backend: Literal["auto", "mlx"] = "auto"
+    draft_backend: DraftBackend = "auto"
 
     @property
     def needs_model(self) -> bool:
@@ -198,9 +200,9 @@ class Eagle3Config(_Base):
     num_speculative_tokens: int = Field(1, ge=1, le=16)
     # The target layers whose inputs the head fuses (the checkpoint's, else 2, L // 2, L - 3).
     eagle_aux_hidden_state_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)] | None = None
-    draft_kv_cache_fraction: float | None = Field(None, gt=0, lt=1)
     # Drafts are the head's argmax; sampled requests verify them with the coupled rule.
     draft_sample_method: Literal["greedy"] = "greedy"
+    draft_backend: DraftBackend = "auto"
 
     @property
     def needs_model(self) -> bool:

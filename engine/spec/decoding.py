@@ -116,6 +116,8 @@ class SpecDecoding:
         self._observe_step(so, stats.step_seconds)
         self._preempted(so.preempted_ids)
         self._propose(running, kv, stats)
+        if self.proposer.shares_target_blocks:
+            self._catch_up(running, kv)
         self._fit_structured_drafts(running)
 
     def _fit_structured_drafts(self, running: list[Request]) -> None:
@@ -151,6 +153,9 @@ class SpecDecoding:
         stats.spec_chosen_k = [r.num_drafts for r in reqs]
         if drafts is None:
             keep = [i for i, r in enumerate(reqs) if r.num_drafts > 0]
+            for r in reqs:
+                if r.num_drafts == 0 and r.features:  # taken in by _catch_up
+                    self.features[r.request_id] = r.features
             drafts = [[] for _ in reqs]
             for i, d in zip(keep, self._draft([reqs[i] for i in keep], [targets[i] for i in keep]),
                             strict=True):
@@ -179,11 +184,28 @@ class SpecDecoding:
             if self.adaptive is None and not self.proposer.filters_drafts \
                     and not self.backoff.should_draft(req.request_id):
                 continue  # "auto" does its own back-off
+            # Drafts write the head's KV at positions up to num_tokens + k - 3 of the target's table.
+            if self.proposer.shares_target_blocks and not kv.allocate_slots(
+                    req.request_id, req.num_computed_tokens, 0, num_lookahead_tokens=k - 1):
+                continue
             reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, k,
                                      kv.block_table(req.request_id), req.cache_salt, req.params,
                                      self.hidden.get(req.request_id), self.features.pop(req.request_id, [])))
             targets.append(req)
         return reqs, targets
+
+    def _catch_up(self, running: list[Request], kv: KVCacheManager) -> None:
+        """Features no draft took this step go to the proposer anyway (`shares_target_blocks`)."""
+        reqs: list[DraftRequest] = []
+        targets: list[Request] = []
+        for req in running:
+            feats = self.features.pop(req.request_id, None)
+            if feats and not req.spec_disabled:
+                reqs.append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, 0,
+                                         kv.block_table(req.request_id), req.cache_salt, req.params,
+                                         features=feats))
+                targets.append(req)
+        self._draft(reqs, targets)
 
     def _choose_k(self, reqs: list[DraftRequest], targets: list[Request],
                   rows: int) -> list[list[int]] | None:

@@ -54,6 +54,7 @@ class _State:
 class DraftModelProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
     filters_drafts = False
+    shares_target_blocks = False
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int,
                  attention_fn: Callable[..., mx.array] = paged_attention_reference,

@@ -58,8 +58,8 @@ def draft_bytes_per_block(draft: Draft, block_size: int) -> int:
 def build_proposer(spec: Any, draft: Draft | None, num_blocks: int, block_size: int,
                    target: LoadedModel | None = None, kv: PagedKVCache | None = None,
                    attention_fn: Callable[..., Any] | None = None) -> Proposer:
-    """`kv`: the target's paged KV (MTP assistants read it); `attention_fn`: the target's attention
-    backend, which a draft model runs too where it can."""
+    """`kv`: the target's paged KV (MTP assistants read it; an EAGLE-3 head's KV has its block count);
+    `attention_fn`: the target's attention backend, which a draft model runs too where it can."""
     if isinstance(spec, NgramConfig):
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if isinstance(spec, SuffixConfig):
@@ -67,9 +67,12 @@ def build_proposer(spec: Any, draft: Draft | None, num_blocks: int, block_size: 
                               spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
     if isinstance(spec, Eagle3Config):
         assert isinstance(draft, LoadedEagle3)
+        if kv is None:
+            raise ValueError("method 'eagle3' needs the target's KV cache (the head's KV uses its block ids)")
+        use_c = spec.draft_backend == "auto"
         if attention_fn is None:
-            return Eagle3Proposer(draft, num_blocks, block_size)
-        return Eagle3Proposer(draft, num_blocks, block_size, attention_fn)
+            return Eagle3Proposer(draft, kv.num_blocks, block_size, use_c=use_c)
+        return Eagle3Proposer(draft, kv.num_blocks, block_size, attention_fn, use_c)
     if isinstance(spec, DraftModelConfig):
         assert isinstance(draft, LoadedModel)
         probabilistic = spec.draft_sample_method == "probabilistic"

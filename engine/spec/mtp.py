@@ -31,6 +31,7 @@ def top_token_prob(logits: mx.array) -> mx.array:
 
 class MTPProposer:
     drafts_before_choice = False  # each draft token costs a forward: K is chosen first
+    shares_target_blocks = False  # it reads the target's KV and writes none
 
     def __init__(self, assistant: LoadedAssistant, target: LoadedModel, kv: PagedKVCache,
                  min_token_prob: float | list[float] = 0.0, use_c: bool = True,

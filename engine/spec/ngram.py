@@ -53,6 +53,7 @@ def _extend(tokens: np.ndarray, ends: np.ndarray, back: int) -> np.ndarray:
 class NgramProposer:
     drafts_before_choice = True  # a lookup
     filters_drafts = False
+    shares_target_blocks = False
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min

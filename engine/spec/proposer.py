@@ -16,8 +16,8 @@ class DraftRequest:
     request_id: str
     token_ids: list[int]  # prompt + output, all confirmed (read-only: the request's own list)
     num_prompt_tokens: int
-    num_drafts: int  # the most drafts wanted this step (>= 1)
-    block_table: list[int] | None = None  # the target's (read-only): MTP assistants read its paged KV
+    num_drafts: int  # the most drafts wanted this step (>= 1; 0: take in features, see shares_target_blocks)
+    block_table: list[int] | None = None  # the target's (read-only): MTP reads its paged KV, EAGLE-3 writes
     cache_salt: str | None = None  # suffix decoding shares past responses only within one salt
     params: SamplingParams | None = None  # probabilistic drafters process their distribution the same way
     hidden: HiddenRow | None = None  # MTP: the target's hidden row behind the newest token
@@ -35,6 +35,13 @@ class Proposer(Protocol):
     @property
     def filters_drafts(self) -> bool:
         """The proposer drops drafts it is unsure of (MTP's draft_min_token_prob): no back-off then."""
+        ...
+
+    @property
+    def shares_target_blocks(self) -> bool:
+        """The proposer keeps its own KV at the target's block ids (EAGLE-3): the target's blocks must
+        cover the positions its drafts write, and it takes every step's features, drafting or not
+        (`num_drafts` 0), so that prefix-cached blocks hold its KV too."""
         ...
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:

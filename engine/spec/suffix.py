@@ -88,6 +88,7 @@ def _follow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], f
 class SuffixProposer:
     drafts_before_choice = True  # a lookup
     filters_drafts = False
+    shares_target_blocks = False
 
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
                  min_token_prob: float) -> None:

@@ -10,6 +10,9 @@
 int mtp_step(const void *a, int n, const int32_t *tokens, float *hidden, const float *embed, float embed_scale,
              const int32_t *pos, const int32_t *tables, int table_len, int block_size, const float *kc,
              const float *vc, long slots, float *logits, float *next_hidden);
+int eagle3_draft(const void *a, const void *kv, int n, const int32_t *counts, const int32_t *tokens,
+                 const float *feats, const float *embed, const int32_t *ids, const int32_t *first,
+                 const int32_t *want, int max_k, int32_t *drafts);
 void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc);
 int small_gemm_init(void *blas_sgemm, int want_max_m);
@@ -251,6 +254,57 @@ static void mtp_cases(void) {
     record("mtp/hidden", next, sizeof(float) * n * B);
 }
 
+// engine/cpu/eagle3.c's Eagle3 and HeadKV, field for field.
+typedef struct {
+    int hidden, target_hidden, heads, kv_heads, head_dim, inter, vocab, norm_before_residual;
+    float eps, rope_base;
+    const uint16_t *fc, *q, *k, *v, *o, *gate, *up, *down, *head;
+    const float *ln_in, *ln_hidden, *ln_post, *ln_final;
+} HEagle3;
+typedef struct {
+    float *kc, *vc;
+    long slots;
+    const int32_t *tables;
+    int table_len, block_size;
+} HHeadKV;
+
+// Two requests (three catch-up rows and one) wanting 2 and 3 drafts: the drafts and the whole KV cache the
+// passes wrote (every pass's hidden flows into the next pass's keys).
+static void eagle3_cases(void) {
+    const int d = 48, heads = 3, kvh = 1, hd = 16, inter = 96, vd = 100, bs = 16, vocab = 120;
+    const size_t sizes[] = {(size_t)d * 3 * d, (size_t)heads * hd * 2 * d, (size_t)kvh * hd * 2 * d,
+                            (size_t)kvh * hd * 2 * d, (size_t)d * heads * hd, (size_t)inter * d, (size_t)inter * d,
+                            (size_t)d * inter, (size_t)vd * d};
+    uint16_t *mats[9];
+    for (int m = 0; m < 9; m++) {  // weights of magnitude 2^-6..2^-3
+        mats[m] = halves(sizes[m], 0);
+        for (size_t i = 0; i < sizes[m]; i++) mats[m][i] = (uint16_t)((mats[m][i] & 0x83FF) | ((9 + i % 3) << 10));
+    }
+    HEagle3 a = {d, d, heads, kvh, hd, inter, vd, 1, 1e-6f, 10000.0f, mats[0], mats[1], mats[2], mats[3], mats[4],
+                 mats[5], mats[6], mats[7], mats[8], floats(d, 1.0f), floats(d, 1.0f), floats(d, 1.0f),
+                 floats(d, 1.0f)};
+    const long slots = 4 * bs;
+    float *kc = calloc((size_t)kvh * slots * hd, sizeof(float)), *vc = calloc((size_t)kvh * slots * hd, sizeof(float));
+    const int32_t tables[4] = {2, 0, 3, 1};
+    HHeadKV kv = {kc, vc, slots, tables, 2, bs};
+    float *embed = floats((size_t)vocab * d, 1.0f), *feats = floats((size_t)4 * 3 * d, 1.0f);
+    int32_t ids[100];
+    for (int i = 0; i < vd; i++) ids[i] = (i * 7) % vocab;
+    const int32_t counts[2] = {3, 1}, tokens[4] = {5, 77, 3, 90}, first[2] = {14, 20}, want[2] = {2, 3};
+    int32_t drafts[6] = {0};
+    eagle3_draft(&a, &kv, 2, counts, tokens, feats, embed, ids, first, want, 3, drafts);
+    record("eagle3/drafts", drafts, sizeof(drafts));
+    float written[2][7 * 16];  // the slots the passes wrote: positions 14..17 and 20..22 (one KV head)
+    for (int i = 0; i < 7; i++) {
+        const int r = i >= 4, p = r ? 20 + i - 4 : 14 + i;
+        const size_t slot = (size_t)tables[r * 2 + p / bs] * bs + p % bs;
+        memcpy(written[0] + i * hd, kc + slot * hd, sizeof(float) * hd);
+        memcpy(written[1] + i * hd, vc + slot * hd, sizeof(float) * hd);
+    }
+    record("eagle3/kcache", written[0], sizeof(written[0]));
+    record("eagle3/vcache", written[1], sizeof(written[1]));
+}
+
 int main(int argc, char **argv) {
     if (argc < 2 || argc > 3) {
         fprintf(stderr, "usage: %s OUT [quick]\n", argv[0]);
@@ -265,6 +319,7 @@ int main(int argc, char **argv) {
     attention_cases();
     layer_cases();
     mtp_cases();
+    eagle3_cases();
     fclose(out);
     return invariance_failures ? 1 : 0;
 }

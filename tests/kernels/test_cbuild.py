@@ -66,13 +66,15 @@ def test_selection_auto_forced_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernels_are_unavailable_on_a_cpu_without_a_kernel_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     """An x86-64 CPU without AVX2 + FMA + F16C: no kernel is built, each reports why, and the attention
     selector falls back to the reference path (an explicit `cpu` backend is refused)."""
+    from engine.cpu import eagle3 as eagle3_cpu
     from engine.cpu import mtp as mtp_cpu
 
     monkeypatch.setattr(cbuild, "cpu_flags", lambda: OLD_HOST)
     monkeypatch.setattr(cbuild, "machine", lambda: "x86_64")
     monkeypatch.delenv("SPECSERVE_CPU_ISA", raising=False)
     for why in (small_gemm.unsupported_reason(), cpu_attention.unsupported_reason(),
-                mtp_cpu.unsupported_reason(None, None, None)):  # type: ignore[arg-type]
+                mtp_cpu.unsupported_reason(None, None, None),  # type: ignore[arg-type]
+                eagle3_cpu.unsupported_reason(None)):  # type: ignore[arg-type]
         assert why is not None and "no kernel instruction set" in why
     with pytest.raises(RuntimeError, match="no kernel instruction set"):
         small_gemm.build()

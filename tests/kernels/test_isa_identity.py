@@ -1,9 +1,9 @@
 """The same bits on every instruction set: tests/kernels/isa_harness.c runs every C kernel (small GEMM, each
 weight format and group size, attention at head sizes 32-256 with and without a window, two decoder
-layers per weight format, the MTP pass) on inputs it generates itself, checks batch invariance (every row
-count 1..256 natively; under qemu every tile path and chunk split), and dumps each output. It is built for
-every ISA this CPU runs, and for NEON with Debian's aarch64 cross-compiler run under qemu-user; the dumps
-must be bitwise equal."""
+layers per weight format, the MTP pass, the EAGLE-3 draft loop) on inputs it generates itself, checks batch
+invariance (every row count 1..256 natively; under qemu every tile path and chunk split), and dumps each
+output. It is built for every ISA this CPU runs, and for NEON with Debian's aarch64 cross-compiler run under
+qemu-user; the dumps must be bitwise equal."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from engine.cpu import build as cbuild
 
 ROOT = Path(__file__).parents[2]
 HARNESS = Path(__file__).with_name("isa_harness.c")
-SOURCES = [HARNESS, ROOT / "engine/cpu/gemm.c", ROOT / "engine/cpu/mtp.c"]
+SOURCES = [HARNESS, ROOT / "engine/cpu/gemm.c", ROOT / "engine/cpu/mtp.c", ROOT / "engine/cpu/eagle3.c"]
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 
 

@@ -16,6 +16,7 @@ import pytest
 from engine.attention.types import build_metadata
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu.build import kernel_reason
 from engine.models import adapter
 from engine.models.eagle3 import Eagle3Error, load_eagle3, read_config
 from engine.sampling import SamplingParams
@@ -81,6 +82,8 @@ def write_head(folder: Path, layout: str = "speculators", draft_vocab: int | Non
         cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
+    # float16 values, as heads ship: the C loop's float16 copies are then the weights the MLX module runs.
+    w = {k: v if k == "d2t" else v.astype(mx.float16).astype(mx.float32) for k, v in w.items()}
     mx.save_safetensors(str(folder / "model.safetensors"), w)
     return folder
 
@@ -95,8 +98,9 @@ def head_dir(kind: str) -> Path:
             "lens": lambda: write_head(root, "speculators", lens=True)}[kind]()
 
 
-def spec(kind: str, k: int = 3) -> dict[str, Any]:
-    return {"method": "eagle3", "model": str(head_dir(kind)), "num_speculative_tokens": k}
+def spec(kind: str, k: int = 3, backend: str = "auto") -> dict[str, Any]:
+    return {"method": "eagle3", "model": str(head_dir(kind)), "num_speculative_tokens": k,
+            "draft_backend": backend}
 
 
 @functools.cache
@@ -183,16 +187,47 @@ def dense_drafts(core: EngineCore, ids: list[int], k: int) -> list[int]:
     return drafts
 
 
-@pytest.mark.parametrize("kind", ["random", "original", "lens"])
-def test_incremental_drafts_equal_a_dense_pass(kind: str) -> None:
+@pytest.mark.skipif(kernel_reason() is not None, reason=f"no C kernels here: {kernel_reason()}")
+@pytest.mark.parametrize("kind", ["random", "original"])
+def test_the_c_loop_drafts_what_the_mlx_modules_draft(kind: str) -> None:
+    """Requests wanting different numbers of drafts in one call, over two steps (the second continues each
+    request's KV with new catch-up rows): the C loop and the MLX modules draft the same tokens."""
+    from engine.spec.eagle3 import Eagle3Proposer
+    from engine.step import FeatureRows
+
+    loaded = load_eagle3(str(head_dir(kind)), default_model())
+    c, ref = (Eagle3Proposer(loaded, 16, 16, use_c=use_c) for use_c in (True, False))
+    assert c.cpu is not None and ref.cpu is None
+    rng = np.random.default_rng(0)
+    width = 3 * loaded.config.target_hidden_size
+    ids = {f"r{i}": [int(t) for t in rng.integers(0, 49152, n)] for i, n in enumerate((5, 40, 17))}
+    tables = {rid: [3 + 4 * i, 1 + 4 * i, 2 + 4 * i, 4 * i] for i, rid in enumerate(ids)}
+    for step, wants in enumerate(((1, 3, 0), (3, 0, 2))):  # 0: catch-up rows only
+        reqs = []
+        for (rid, toks), want in zip(ids.items(), wants, strict=True):
+            start = 0 if step == 0 else len(toks) - 1 - step * 2
+            if step:
+                toks.extend(int(t) for t in rng.integers(0, 49152, 2 + step))
+            feats = mx.array(rng.normal(0, 1, (len(toks) - 1 - start, width)).astype(np.float32))
+            reqs.append(DraftRequest(rid, toks, 3, want, tables[rid], features=[FeatureRows(start, feats)]))
+        got, want_drafts = c.propose(reqs), ref.propose(reqs)
+        assert [len(d) for d in got] == list(wants)
+        assert got == want_drafts, step
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("random", "auto"), ("original", "auto"), ("lens", "auto"),
+                                               ("random", "mlx"), ("lens", "mlx")])
+def test_incremental_drafts_equal_a_dense_pass(kind: str, backend: str) -> None:
     """Drafts after a prefill and after decode steps (partly accepted or not) equal the head run densely
-    over the whole sequence: the catch-up rows, positions and KV slots line up."""
-    core = EngineCore(EngineConfig(speculative_config=spec(kind, k=3), show_progress=False, **KW),
-                      loaded=default_model())
+    over the whole sequence: the catch-up rows, positions and KV slots line up, in the C loop (auto, where
+    kernels build) and in the MLX modules."""
+    core = EngineCore(EngineConfig(speculative_config=spec(kind, k=3, backend=backend), show_progress=False,
+                                   **KW), loaded=default_model())
+    prop = core.speculation.proposer  # type: ignore[union-attr]
+    assert (prop.cpu is not None) == (backend == "auto" and kernel_reason() is None), prop.cpu_reason
     prompt = chat_prompts(llm(None), [CHATS[0]])[0]
     core.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0))
     core.add_request("repeat", core.tokenizer.encode(REPEAT), SamplingParams(max_tokens=12, temperature=0.0))
-    prop = core.speculation.proposer  # type: ignore[union-attr]
     seen: list[tuple[list[int], list[int]]] = []
     real = prop.propose
 
@@ -230,7 +265,7 @@ def test_greedy_output_is_plain_decoding_alone_and_batched(kind: str) -> None:
     core = eagle.core
     assert not core.has_unfinished() and core.kv.num_free_blocks == core.kv.pool.num_blocks
     prop = core.speculation.proposer
-    assert prop.kv.num_free_blocks == prop.kv.pool.num_blocks and not core.speculation.features
+    assert not prop._done and not prop._pending and not core.speculation.features  # type: ignore[attr-defined]
 
 
 def test_seeded_sampling_is_plain_seeded_sampling() -> None:
@@ -241,13 +276,28 @@ def test_seeded_sampling_is_plain_seeded_sampling() -> None:
         [o.token_ids for o in plain.generate(prompts, params)]
 
 
-def test_a_request_after_another_with_the_same_prompt_still_drafts() -> None:
-    """One request after another with a shared chat prefix: each drafts (a prefix-cache hit would leave the
-    head without the cached positions' features, so prefix caching is off with eagle3)."""
-    eagle = llm("lens")
-    tok = eagle.core.tokenizer
-    assert not eagle.core.kv.enable_prefix_caching
-    for _ in range(2):
-        (out,) = eagle.generate([tok.encode(REPEAT)], SamplingParams(max_tokens=16, temperature=0.0))
-        assert out.spec_num_draft_tokens > 0 and out.spec_num_accepted_tokens > 0
+@pytest.mark.parametrize("backend", ["auto", "mlx"])
+def test_a_prefix_cache_hit_drafts_from_the_cached_blocks_head_kv(backend: str) -> None:
+    """The head's KV sits at the target's block ids, so a request whose prompt is a cache hit reads the
+    head's rows from the cached blocks: its drafts equal the dense pass over the whole sequence."""
+    core = EngineCore(EngineConfig(speculative_config=spec("random", k=3, backend=backend), show_progress=False,
+                                   **KW), loaded=default_model())
+    assert core.kv.enable_prefix_caching
+    prompt = chat_prompts(llm(None), [CHATS[1]])[0]
+    prop = core.speculation.proposer  # type: ignore[union-attr]
+    seen: list[tuple[list[int], list[int]]] = []
+    real = prop.propose
 
+    def recording(reqs: list[DraftRequest]) -> list[list[int]]:
+        out = real(reqs)
+        seen.extend((list(r.token_ids), d) for r, d in zip(reqs, out, strict=True) if r.request_id == "second")
+        return out
+
+    prop.propose = recording  # type: ignore[method-assign]
+    for rid in ("first", "second"):
+        core.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0.0))
+        while core.has_unfinished():
+            core.step()
+    assert core.scheduler.requests == {} and core.kv.num_free_blocks == core.kv.pool.num_blocks
+    assert core.kv.prefix_hits > 0
+    assert seen and all(d == dense_drafts(core, ids, len(d)) for ids, d in seen if d)

@@ -227,7 +227,8 @@ def test_training_forward_is_the_serving_pass(trained: Trained, tmp_path: Path) 
     vocab = load_eagle3(str(out), target)
     folder = _sharp_head(target, [int(t) for t in mx.arange(256) + vocab.head.d2t], tmp_path / "sharp")
     core = EngineCore(EngineConfig(activation_precision="float32", speculative_config={
-        "method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}, **KW), loaded=target)
+        "method": "eagle3", "model": str(folder), "num_speculative_tokens": 3,
+        "draft_backend": "mlx"}, **KW), loaded=target)  # the MLX module: the C loop is checked against it
     head = core.speculation.proposer.head  # type: ignore[union-attr]
     ids = json.loads((out / "data" / "heldout.jsonl").read_text().splitlines()[0])
     aux = sequence_features(target, [ids], AUX, [1], dtype=mx.float32)[0]["aux"]

@@ -1,0 +1,113 @@
+// Small-model building blocks shared by the draft heads' C loops (mtp.c, eagle3.c): float16 weight
+// products, RMSNorm, split-halves RoPE and attention of one query row over a head-major paged KV cache.
+// Each row's float operations are the same whatever the number of rows, so a draft never depends on
+// which other requests share its pass.
+#ifndef SPECSERVE_HEAD_OPS_H
+#define SPECSERVE_HEAD_OPS_H
+#include "simd.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+// y[r, j] = dot(W[j, :], x[r, :]) for r < n, j < out; W float16 [out, in] row-major. Rows go four at a
+// time so each weight vector is converted once per four rows (catch-up passes carry many). One thread:
+// splitting the output rows between two cores was slower with the weights cached and no faster from memory.
+static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, float *y) {
+    const int full = in & ~15;
+    for (int j = 0; j < out; j++) {
+        const uint16_t *row = w + (size_t)j * in;
+        int r = 0;
+        for (; r + 4 <= n; r += 4) {
+            const float *x0 = x + (size_t)r * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+            vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+            for (int k = 0; k < full; k += 16) {
+                const vf wk = vload_f16(row + k);
+                a0 = vfma(wk, vload(x0 + k), a0);
+                a1 = vfma(wk, vload(x1 + k), a1);
+                a2 = vfma(wk, vload(x2 + k), a2);
+                a3 = vfma(wk, vload(x3 + k), a3);
+            }
+            float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
+            for (int i = 0; i < 4; i++) {
+                const float *xr = x0 + (size_t)i * in;
+                for (int k = full; k < in; k++) s[i] += f16_to_f32(row[k]) * xr[k];
+                y[(size_t)(r + i) * out + j] = s[i];
+            }
+        }
+        for (; r < n; r++) {
+            const float *xr = x + (size_t)r * in;
+            vf acc = vzero();
+            for (int k = 0; k < full; k += 16) acc = vfma(vload_f16(row + k), vload(xr + k), acc);
+            float s = vhsum(acc);
+            for (int k = full; k < in; k++) s += f16_to_f32(row[k]) * xr[k];
+            y[(size_t)r * out + j] = s;
+        }
+    }
+}
+
+static void rms_norm(const float *x, const float *g, int d, float eps, float *y) {
+    double ss = 0.0;
+    for (int i = 0; i < d; i++) ss += (double)x[i] * x[i];
+    const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
+    for (int i = 0; i < d; i++) y[i] = x[i] * inv * g[i];
+}
+
+// Split-halves RoPE (mlx.nn.RoPE, traditional=False) of one head at position p.
+static void rope(float *v, int d, int p, float base) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        const float theta = (float)p * powf(base, -(float)(2 * i) / (float)d);
+        const float c = cosf(theta), s = sinf(theta);
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = a * s + b * c;
+    }
+}
+
+// The cache slot of position t: table[t / block_size] * block_size + t % block_size.
+static inline size_t kv_slot(const int32_t *table, int block_size, int t) {
+    return (size_t)table[t / block_size] * block_size + t % block_size;
+}
+
+// Attention of one row's `heads` query heads over its keys at positions 0..count-1 in the head-major
+// cache ([kv_heads, slots, head_dim]); scores: scratch of count floats.
+static void attend(int heads, int kv_heads, int d, const float *q, int count, const int32_t *table,
+                   int block_size, const float *kc, const float *vc, long slots, float *out, float *scores) {
+    const int group = heads / kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int h = 0; h < heads; h++) {
+        const int kvh = h / group;
+        const float *qh = q + (size_t)h * d;
+        const float *kbase = kc + (size_t)kvh * slots * d, *vbase = vc + (size_t)kvh * slots * d;
+        float mx = -INFINITY;
+        for (int t = 0; t < count; t++) {
+            const float *k = kbase + kv_slot(table, block_size, t) * d;
+            float s = 0.0f;
+            for (int i = 0; i < d; i++) s += qh[i] * k[i];
+            scores[t] = s * scale;
+            if (scores[t] > mx) mx = scores[t];
+        }
+        float sum = 0.0f;
+        for (int t = 0; t < count; t++) {
+            scores[t] = expf(scores[t] - mx);
+            sum += scores[t];
+        }
+        float *oh = out + (size_t)h * d;
+        memset(oh, 0, sizeof(float) * d);
+        for (int t = 0; t < count; t++) {
+            const float *v = vbase + kv_slot(table, block_size, t) * d;
+            const float w = scores[t] / sum;
+            for (int i = 0; i < d; i++) oh[i] += w * v[i];
+        }
+    }
+}
+
+// Index of the largest of l[0..n-1] (the first on ties).
+static int argmax_f32(const float *l, int n) {
+    int arg = 0;
+    for (int i = 1; i < n; i++)
+        if (l[i] > l[arg]) arg = i;
+    return arg;
+}
+#endif
