@@ -179,3 +179,16 @@ def test_digested_results_keep_the_comparisons(results: dict[str, dict[str, Any]
     bare = copy.deepcopy(off)
     del bare["runs"][0]["token_ids_sha256"]
     assert any("neither token_ids" in e for e in validate(bare)), validate(bare)
+
+
+def test_the_schema_names_every_speculative_method() -> None:
+    """A method the engine accepts but the schema does not would fail every benchmark run of it."""
+    from typing import get_args
+
+    from engine.spec.config import SpeculativeConfig
+
+    union = get_args(get_args(SpeculativeConfig)[0])
+    methods = {get_args(m.model_fields["method"].annotation)[0] for m in union}
+    schema = json.loads((Path(__file__).parents[2] / "loadtests" / "data" / "spec_benchmark.schema.json")
+                        .read_text())
+    assert methods | {None} == set(schema["properties"]["config"]["properties"]["method"]["enum"])
