@@ -9,9 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.cpu.build import build_kernel, kernel_reason
+from engine.cpu.build import build_kernel
 from engine.cpu.host import pointer
-from engine.cpu.mtp import embedding_table
+from engine.cpu.mtp import draft_loop_reason, embedding_table
 from engine.models.eagle3 import LoadedEagle3
 
 SOURCE = Path(__file__).with_name("eagle3.c")
@@ -34,11 +34,9 @@ class _HeadKV(ctypes.Structure):  # the C struct HeadKV
 
 def unsupported_reason(loaded: LoadedEagle3) -> str | None:
     """Why the C loop cannot serve this head here (None: it can)."""
-    why = kernel_reason()
+    why = draft_loop_reason()
     if why:
         return why
-    if mx.default_device() != mx.cpu:
-        return "MLX runs on a GPU"
     cfg = loaded.config
     if cfg.rope_scaling:
         return "RoPE scaling"

@@ -30,11 +30,9 @@ class _Assistant(ctypes.Structure):  # the C struct Assistant, field for field
 
 def unsupported_reason(assistant: LoadedAssistant, kv: PagedKVCache, embed: nn.Module) -> str | None:
     """Why the C pass cannot serve this assistant here (None: it can); `embed`: the target's embedding."""
-    why = kernel_reason()
+    why = draft_loop_reason()
     if why:
         return why
-    if mx.default_device() != mx.cpu:
-        return "MLX runs on a GPU"
     net = assistant.module
     if not isinstance(net, TrainedAssistant):
         return "not a trained (specserve_mtp) assistant"
@@ -138,6 +136,14 @@ class CpuAssistant:
         if rc != 0:
             raise MemoryError("mtp_step could not allocate its scratch memory")
         return logits
+
+
+def draft_loop_reason() -> str | None:
+    """Why no draft head's C loop (mtp.c, eagle3.c) runs here, whatever the head (None: they can)."""
+    why = kernel_reason()
+    if why:
+        return why
+    return "MLX runs on a GPU" if mx.default_device() != mx.cpu else None
 
 
 def embedding_table(embed: nn.Module) -> np.ndarray | None:
