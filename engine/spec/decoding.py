@@ -26,6 +26,8 @@ from engine.structured import StructuredOutputManager
 logger = logging.getLogger(__name__)
 # Positions of EAGLE-3 features kept for a request that is not drafting (K 0, backed off).
 MAX_PENDING_FEATURES = 2048
+# Catch-up rows past which they run before the timed draft call (more than a decode step confirms).
+LONG_CATCH_UP = 8
 
 
 class SpecDecoding:
@@ -146,6 +148,8 @@ class SpecDecoding:
         if not reqs:
             stats.spec_chosen_k = []
             return
+        if self.proposer.shares_target_blocks:
+            self._take_in_long_catch_ups(reqs, targets)
         t0 = time.monotonic()
         drafts: list[list[int]] | None = None
         if self.adaptive is not None:
@@ -193,6 +197,24 @@ class SpecDecoding:
                                      self.hidden.get(req.request_id), self.features.pop(req.request_id, [])))
             targets.append(req)
         return reqs, targets
+
+    def _take_in_long_catch_ups(self, reqs: list[DraftRequest], targets: list[Request]) -> None:
+        """A prompt's worth of catch-up rows (a request's first draft) runs before the timed draft call, so
+        the adaptive controller's draft cost holds what drafting adds; the newest row stays with the draft."""
+        early: list[DraftRequest] = []
+        early_targets: list[Request] = []
+        for r, req in zip(reqs, targets, strict=True):
+            if sum(int(f.rows.shape[0]) for f in r.features) > LONG_CATCH_UP:
+                *older, newest = r.features
+                n = int(newest.rows.shape[0])
+                if n > 1:
+                    older.append(FeatureRows(newest.start, newest.rows[: n - 1]))
+                    newest = FeatureRows(newest.start + n - 1, newest.rows[n - 1:])
+                early.append(DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, 0, r.block_table,
+                                          r.cache_salt, r.params, features=older))
+                early_targets.append(req)
+                r.features = [newest]
+        self._draft(early, early_targets)
 
     def _catch_up(self, running: list[Request], kv: KVCacheManager) -> None:
         """Features no draft took this step go to the proposer anyway (`shares_target_blocks`)."""

@@ -280,8 +280,8 @@ def test_seeded_sampling_is_plain_seeded_sampling() -> None:
 def test_a_prefix_cache_hit_drafts_from_the_cached_blocks_head_kv(backend: str) -> None:
     """The head's KV sits at the target's block ids, so a request whose prompt is a cache hit reads the
     head's rows from the cached blocks: its drafts equal the dense pass over the whole sequence."""
-    core = EngineCore(EngineConfig(speculative_config=spec("random", k=3, backend=backend), show_progress=False,
-                                   **KW), loaded=default_model())
+    core = EngineCore(EngineConfig(speculative_config=spec("random", k=3, backend=backend),
+                                   show_progress=False, **KW), loaded=default_model())
     assert core.kv.enable_prefix_caching
     prompt = chat_prompts(llm(None), [CHATS[1]])[0]
     prop = core.speculation.proposer  # type: ignore[union-attr]
@@ -290,7 +290,8 @@ def test_a_prefix_cache_hit_drafts_from_the_cached_blocks_head_kv(backend: str) 
 
     def recording(reqs: list[DraftRequest]) -> list[list[int]]:
         out = real(reqs)
-        seen.extend((list(r.token_ids), d) for r, d in zip(reqs, out, strict=True) if r.request_id == "second")
+        seen.extend((list(r.token_ids), d) for r, d in zip(reqs, out, strict=True)
+                    if r.request_id == "second")
         return out
 
     prop.propose = recording  # type: ignore[method-assign]
@@ -301,3 +302,26 @@ def test_a_prefix_cache_hit_drafts_from_the_cached_blocks_head_kv(backend: str) 
     assert core.scheduler.requests == {} and core.kv.num_free_blocks == core.kv.pool.num_blocks
     assert core.kv.prefix_hits > 0
     assert seen and all(d == dense_drafts(core, ids, len(d)) for ids, d in seen if d)
+
+
+def test_a_prompts_catch_up_runs_before_the_timed_draft_call() -> None:
+    """The first draft after a prefill: the prompt's rows go to the head in a call of their own (num_drafts
+    0) before the draft call, which carries only the newest row, so adaptive K's measured draft cost holds
+    what drafting adds (a prompt's catch-up once made eagle3 "auto" look too slow ever to draft)."""
+    core = EngineCore(EngineConfig(speculative_config=spec("random", k=2), show_progress=False, **KW),
+                      loaded=default_model())
+    prop = core.speculation.proposer  # type: ignore[union-attr]
+    calls: list[list[tuple[int, int]]] = []  # per call: (num_drafts, feature rows) of each request
+    real = prop.propose
+
+    def recording(reqs: list[DraftRequest]) -> list[list[int]]:
+        calls.append([(r.num_drafts, sum(int(f.rows.shape[0]) for f in r.features)) for r in reqs])
+        return real(reqs)
+
+    prop.propose = recording  # type: ignore[method-assign]
+    prompt = chat_prompts(llm(None), [CHATS[2]])[0]
+    core.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    while core.has_unfinished():
+        core.step()
+    assert calls[:2] == [[(0, len(prompt) - 1)], [(2, 1)]], calls  # the prompt's rows, then the newest
+

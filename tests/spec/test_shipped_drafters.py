@@ -1,6 +1,8 @@
-"""The committed MTP assistant for the default model (configs/assistants/smollm2-135m-mtp, written by
-`specserve train-assistant`): greedy output with MTP at K = 1 and K = 3 equals decoding without it, at
-batch 1 and at batch 8 mixed with seeded sampled requests, and the assistant's drafts are accepted."""
+"""The committed drafters for the default model, the MTP assistant (configs/assistants/smollm2-135m-mtp,
+written by `specserve train-assistant`) and the EAGLE-3 head (configs/assistants/smollm2-135m-eagle3,
+`specserve train-eagle3`): greedy output with each at K = 1 and K = 3 equals decoding without it, at batch 1
+and at batch 8 mixed with seeded sampled requests, and their drafts are accepted; the MTP assistant's C
+passes draft what its MLX module drafts."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from engine.models.loader import load_model
 from engine.sampling import SamplingParams
 from tests.helpers import CHATS
 
-ASSISTANT = Path(__file__).resolve().parents[2] / "configs" / "assistants" / "smollm2-135m-mtp"
+ASSISTANTS = Path(__file__).resolve().parents[2] / "configs" / "assistants"
+ASSISTANT = ASSISTANTS / "smollm2-135m-mtp"
+SHIPPED = {"mtp": ASSISTANT, "eagle3": ASSISTANTS / "smollm2-135m-eagle3"}
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +25,12 @@ def target():  # noqa: ANN201 - LoadedModel
     return load_model(None, dtype="float32", progress=False)
 
 
+@pytest.mark.parametrize("method", sorted(SHIPPED))
 @pytest.mark.parametrize("k", [1, 3])
-def test_trained_assistant_is_exact_at_batch_1_and_8(target, k: int) -> None:  # noqa: ANN001
+def test_shipped_drafter_is_exact_at_batch_1_and_8(target, method: str, k: int) -> None:  # noqa: ANN001
     kw = dict(kv_cache_memory="256MiB", max_model_len=1024, show_progress=False)
     plain = LLM(loaded=target, **kw)
-    spec = LLM(loaded=target, speculative_config={"method": "mtp", "model": str(ASSISTANT),
+    spec = LLM(loaded=target, speculative_config={"method": method, "model": str(SHIPPED[method]),
                                                   "num_speculative_tokens": k,
                                                   "draft_sample_method": "greedy"}, **kw)
     prompts = [plain.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS[:8]]
@@ -35,7 +40,7 @@ def test_trained_assistant_is_exact_at_batch_1_and_8(target, k: int) -> None:  #
     # draft rejected).
     alone = [spec.generate([p], greedy)[0] for p in prompts[:2]]
     assert [o.token_ids for o in alone] == [plain.generate([p], greedy)[0].token_ids for p in prompts[:2]]
-    assert sum(o.spec_num_accepted_tokens for o in alone) > 0  # the trained assistant does predict the target
+    assert sum(o.spec_num_accepted_tokens for o in alone) > 0  # the trained drafter does predict the target
     # Batch 8: six greedy requests and two seeded sampled ones in the same steps.
     params = [greedy] * 6 + sampled
     ref, got = plain.generate(prompts, params), spec.generate(prompts, params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +55,9 @@ METHODS = {
     # greedy drafts: seeded sampled requests below must equal plain decoding (the coupled rule)
     "draft_model": {"method": "draft_model", "model": "<target>", "num_speculative_tokens": 3,
                     "draft_sample_method": "greedy"},
+    # the shipped head: its KV at the target's block ids, through prefix hits and preemption
+    "eagle3": {"method": "eagle3", "model": str(Path(__file__).resolve().parents[2] / "configs" / "assistants"
+                                               / "smollm2-135m-eagle3"), "num_speculative_tokens": 3},
 }
 
 

@@ -36,7 +36,7 @@ def test_example_server_configs_validate(path: Path) -> None:
 
 def test_every_speculative_method_has_an_example() -> None:
     methods = {yaml.safe_load(p.read_text())["speculative-config"]["method"] for p in CONFIGS}
-    assert {"ngram", "suffix", "draft_model"} <= methods
+    assert {"ngram", "suffix", "draft_model", "mtp", "eagle3"} <= methods
 
 
 def test_prometheus_config_scrapes_the_default_address() -> None:
