@@ -3,6 +3,7 @@ bookkeeping; the core calls `observe` before the update, `propose` after the out
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,8 +25,6 @@ from engine.step import FeatureRows, HiddenRow, RunnerOutput, SchedulerOutput
 from engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-# Positions of EAGLE-3 features kept for a request that is not drafting (K 0, backed off).
-MAX_PENDING_FEATURES = 2048
 # Catch-up rows past which they run before the timed draft call (more than a decode step confirms).
 LONG_CATCH_UP = 8
 
@@ -43,7 +42,7 @@ class SpecDecoding:
                                                  attention_fn)
         # The target's hidden row behind each request's newest token (MTP).
         self.hidden: dict[str, HiddenRow] = {}
-        # EAGLE-3: target features received since each request last drafted.
+        # EAGLE-3: the target features this step confirmed, until propose hands them to the proposer.
         self.features: dict[str, list[FeatureRows]] = {}
         self.backoff = DraftBackoff()
         self.adaptive: AdaptiveController | None = None
@@ -55,8 +54,9 @@ class SpecDecoding:
         logger.info("speculative decoding: %s, num_speculative_tokens=%s%s", spec.method,
                     f"auto (up to {spec.num_speculative_tokens})" if spec.adaptive
                     else spec.num_speculative_tokens,
-                    f", draft {draft.path}, its KV cache {draft_blocks} blocks"
-                    if draft is not None else "")
+                    "" if draft is None else f", draft {draft.path}, its KV "
+                    + ("at the target's block ids" if self.proposer.shares_target_blocks
+                       else f"cache {draft_blocks} blocks"))
         rule = spec.rejection
         if rule.method == "synthetic":
             logger.warning("speculative decoding: SYNTHETIC acceptance (benchmarking only): every draft is "
@@ -93,10 +93,7 @@ class SpecDecoding:
                 self.hidden[sr.request_id] = hidden
         for sr, feats in zip(so.scheduled, res.features or [None] * len(so.scheduled), strict=True):
             if feats is not None:
-                kept = self.features.setdefault(sr.request_id, [])
-                kept.append(feats)
-                if kept[-1].end - kept[0].start > MAX_PENDING_FEATURES:
-                    del kept[:-1]  # bounded: the proposer then cannot catch up and skips it
+                self.features.setdefault(sr.request_id, []).append(feats)
         for sr, n_acc, err in zip(so.scheduled, res.num_accepted_drafts, res.errors, strict=True):
             if not sr.spec_token_ids or err is not None:
                 continue
@@ -210,8 +207,7 @@ class SpecDecoding:
                 if n > 1:
                     older.append(FeatureRows(newest.start, newest.rows[: n - 1]))
                     newest = FeatureRows(newest.start + n - 1, newest.rows[n - 1:])
-                early.append(DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens, 0, r.block_table,
-                                          r.cache_salt, r.params, features=older))
+                early.append(dataclasses.replace(r, num_drafts=0, features=older))
                 early_targets.append(req)
                 r.features = [newest]
         self._draft(early, early_targets)

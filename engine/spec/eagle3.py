@@ -83,9 +83,9 @@ class Eagle3Proposer:
         drafts: list[list[int]] = [[] for _ in requests]
         rows: list[_Rows] = []
         for i, r in enumerate(requests):
-            got = self._catch_up_rows(r)
+            got = self._catch_up_rows(r, i)
             if got is not None:
-                rows.append(got._replace(at=i))
+                rows.append(got)
         if not rows:
             return drafts
         got_drafts = self._draft_c(rows) if self.cpu else self._draft_mlx(rows)
@@ -94,7 +94,7 @@ class Eagle3Proposer:
             self._done[w.request.request_id] = w.first + len(w.tokens)
         return drafts
 
-    def _catch_up_rows(self, r: DraftRequest) -> _Rows | None:
+    def _catch_up_rows(self, r: DraftRequest, at: int) -> _Rows | None:
         """The rows `r` runs: positions done .. E - 1 (E: the end of its contiguous features, at most n - 1),
         drafting from the last when E is n - 1; None when it has none. Consumed features are dropped."""
         rid, n = r.request_id, len(r.token_ids)
@@ -116,7 +116,7 @@ class Eagle3Proposer:
             return None
         feats = mx.concatenate([f.rows for f in use], axis=0) if len(use) > 1 else use[0].rows
         return _Rows(r, done, r.token_ids[done + 1: end + 1], feats[done - use[0].start: end - use[0].start],
-                     r.num_drafts if end == n - 1 else 0, list(r.block_table or []))
+                     r.num_drafts if end == n - 1 else 0, list(r.block_table or []), at)
 
     def _draft_c(self, rows: list[_Rows]) -> list[list[int]]:
         assert self.cpu is not None
@@ -166,4 +166,4 @@ class _Rows(NamedTuple):
     feats: mx.array  # [len(tokens), 3 * target hidden]
     want: int
     table: list[int]  # the target's block table
-    at: int = 0  # its index in propose's request list
+    at: int  # its index in propose's request list

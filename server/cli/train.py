@@ -6,16 +6,22 @@ import argparse
 from typing import Any
 
 
+def _common(p: argparse.ArgumentParser, out_help: str) -> None:
+    """The flags every trainer takes: the target, where results go, the prompts, steps and seed."""
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
+    p.add_argument("--steps", type=int, help="training steps")
+    p.add_argument("--seed", type=int)
+
+
 def add_parsers(sub: Any) -> None:
     # Numeric training flags default to None: the defaults live in TrainSettings / Eagle3Settings /
     # DraftSettings.
     train = sub.add_parser("train-assistant", help="self-distil an MTP assistant for MODEL (method: mtp)",
                            description="The target writes its own training text, then a small assistant "
                                        "learns its next-next token on MLX. Resumable: rerun to continue.")
-    train.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    train.add_argument("--out", required=True, help="output folder (checkpoint/ and data/ go inside)")
-    train.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
-    train.add_argument("--steps", type=int, help="training steps")
+    _common(train, "output folder (checkpoint/ and data/ go inside)")
     train.add_argument("--max-prompts", type=int, help="prompts used from the set (0: all)")
     train.add_argument("--mix-sampled", action="store_true",
                        help="answer odd prompts with sampling (default: greedy only, as drafting sees)")
@@ -23,7 +29,6 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--intermediate-size", type=int,
                        help="MLP width of the assistant's layer (default: a sixth of the target's)")
     train.add_argument("--max-tokens", type=int, help="tokens generated per answer")
-    train.add_argument("--seed", type=int)
     train.add_argument("--answer-only", action="store_true",
                        help="score answer positions only (default: every position)")
     eagle = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for MODEL (method: eagle3)",
@@ -31,34 +36,26 @@ def add_parsers(sub: Any) -> None:
                                        "head learns to draft from the target's features with training-time "
                                        "test, saved in the speculators layout. Rerun with --resume to "
                                        "continue.")
-    eagle.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    eagle.add_argument("--out", required=True, help="output folder (checkpoint/ and data/ go inside)")
-    eagle.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
+    _common(eagle, "output folder (checkpoint/ and data/ go inside)")
     eagle.add_argument("--heldout", default=None,
                        help="JSONL of held-out prompts for the top-1 figures (default: configs/; '': none)")
     eagle.add_argument("--max-sequences", type=int, help="training prompts used, one answer each (0: all)")
     eagle.add_argument("--max-new-tokens", type=int, help="tokens the target writes per answer")
     eagle.add_argument("--draft-vocab-size", type=int,
                        help="the head's vocabulary: the most frequent answer tokens")
-    eagle.add_argument("--steps", type=int, help="training steps")
     eagle.add_argument("--batch-size", type=int, help="sequences per step")
     eagle.add_argument("--lr", type=float, help="peak learning rate (AdamW, warm-up then cosine decay)")
     eagle.add_argument("--ttt-steps", type=int, help="training-time-test steps (draft positions trained)")
-    eagle.add_argument("--seed", type=int)
     eagle.add_argument("--resume", action="store_true", help="continue OUT/checkpoint")
     draft = sub.add_parser("train-draft", help="distil a small draft model for MODEL (method: draft_model)",
                            description="The target's first layers, trained on the text the target writes "
                                        "itself. Resumable: rerun to continue.")
-    draft.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    draft.add_argument("--out", required=True, help="output folder (a Hugging Face-layout model)")
+    _common(draft, "output folder (a Hugging Face-layout model)")
     draft.add_argument("--data", default=None,
                        help="reuse generated text: a sequences.jsonl written by train-assistant/train-draft")
-    draft.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} (default: configs/)")
     draft.add_argument("--num-layers", type=int, help="target layers the draft keeps")
-    draft.add_argument("--steps", type=int, help="training steps")
     draft.add_argument("--max-prompts", type=int, help="prompts used from the set (0: all)")
     draft.add_argument("--max-tokens", type=int, help="tokens generated per answer")
-    draft.add_argument("--seed", type=int)
 
 
 # The trainers import MLX, which must load after platform.setup() (server.cli.main).
