@@ -65,8 +65,21 @@ def from_flags(modes: str | None, k: str | None, labelled: list[str], default: l
     """Modes from `--modes a,b` (or `default` without it), `--k 1,2` and `--speculative-config LABEL=JSON`."""
     names = [m.strip() for m in modes.split(",") if m.strip()] if modes else default
     ks = [int(x) for x in k.split(",") if x.strip()] if k else None
-    extra = [(label, json.loads(text)) for label, text in map(parse_labelled, labelled)]
+    extra = [labelled_config(text) for text in labelled]
     return resolve(names, ks, extra)
+
+
+def labelled_config(text: str) -> tuple[str, dict]:
+    """`LABEL=JSON` -> (label, config); the JSON starts at the first '={', so a label may hold '=' (k=2)."""
+    at = text.find("={")
+    label, value = (text[:at].strip(), text[at + 1:]) if at > 0 else parse_labelled(text)
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config {text!r}: the value after LABEL= is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config {text!r}: expected a JSON object after LABEL=")
+    return label, config
 
 
 def parse_labelled(text: str) -> tuple[str, str]:

@@ -172,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
         args.speculative_config = [*args.speculative_config, extra]
     temps = temperatures(args.temperature)
     default = [modes_mod.OFF] if args.speculative_config else modes_mod.available()
-    chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config, default)
+    try:
+        chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config, default)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     items = load_dataset(args.dataset_name, args.data)
     t_load = time.perf_counter()
     precisions: list[str | None] = precision_list(args.precisions) if args.precisions else [None]

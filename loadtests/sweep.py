@@ -53,8 +53,11 @@ def levels_of(rates: list[float], concurrencies: list[int | None],
 
 def server_specs(args: argparse.Namespace, out: Path) -> list[ServerSpec]:
     others = bool(args.server or args.speculative_config)
-    chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config,
-                                  default=[] if others else modes_mod.available())
+    try:
+        chosen = modes_mod.from_flags(args.modes, args.k, args.speculative_config,
+                                      default=[] if others else modes_mod.available())
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     serve_args = shlex.split(args.serve_args) if args.serve_args else []
     if getattr(args, "temperatures", None) and not any("prefix-caching" in a for a in serve_args):
         # A level's temperatures share prompts: uncached, each prefills them afresh and TTFTs compare.

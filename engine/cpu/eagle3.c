@@ -2,7 +2,8 @@
 // head's own head-major float32 paged KV: eagle3_draft runs Eagle3Proposer.propose's passes in one call.
 //
 // Why C: through MLX a head pass is dozens of small ops dispatched one by one from Python, over float32
-// weights the target's step has evicted from the caches; here the weights are float16 (half the bytes),
+// weights the target's step has evicted from the caches; here the weights are int8 rows (a quarter of the
+// bytes; or float16),
 // a pass is a handful of loops and no Python runs between passes (the MTP assistant's reasons, mtp.c).
 //
 // Same arithmetic as Eagle3Head.__call__ up to float rounding: fc over the target's fused features, RMSNorm
@@ -17,8 +18,7 @@
 typedef struct {
     int hidden, target_hidden, heads, kv_heads, head_dim, inter, vocab, norm_before_residual;
     float eps, rope_base;
-    // [out, in] row-major float16 matrices
-    const uint16_t *fc, *q, *k, *v, *o, *gate, *up, *down, *head;
+    HeadMat fc, q, k, v, o, gate, up, down, head;  // [out, in]
     // RMSNorm weights, float32
     const float *ln_in, *ln_hidden, *ln_post, *ln_final;
 } Eagle3;
@@ -57,9 +57,9 @@ static int e3_pass(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *tok,
         rms_norm(embed + (size_t)tok[r] * d, a->ln_in, d, a->eps, xr);
         rms_norm(hid + (size_t)r * d, a->ln_hidden, d, a->eps, xr + d);
     }
-    gemv_f16(a->q, qd, 2 * d, x, n, q);
-    gemv_f16(a->k, kvd, 2 * d, x, n, k);
-    gemv_f16(a->v, kvd, 2 * d, x, n, v);
+    gemv(a->q, qd, 2 * d, x, n, q);
+    gemv(a->k, kvd, 2 * d, x, n, k);
+    gemv(a->v, kvd, 2 * d, x, n, v);
     for (int r = 0; r < n; r++) {
         for (int h = 0; h < a->heads; h++) rope(q + (size_t)r * qd + (size_t)h * hd, hd, pos[r], a->rope_base);
         const size_t s = kv_slot(kv->tables + (size_t)req[r] * kv->table_len, kv->block_size, pos[r]);
@@ -75,28 +75,35 @@ static int e3_pass(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *tok,
         attend(a->heads, a->kv_heads, hd, q + (size_t)r * qd, pos[r] + 1,
                kv->tables + (size_t)req[r] * kv->table_len, kv->block_size, kv->kc, kv->vc, kv->slots,
                att + (size_t)r * qd, scores);
-    gemv_f16(a->o, d, qd, att, n, u);
+    gemv(a->o, d, qd, att, n, u);
     for (int r = 0; r < n; r++) {  // hid = (normed or raw hidden) + attention
         float *hr = hid + (size_t)r * d;
         const float *base = a->norm_before_residual ? x + (size_t)r * 2 * d + d : hr;
         for (int i = 0; i < d; i++) hr[i] = base[i] + u[(size_t)r * d + i];
         rms_norm(hr, a->ln_post, d, a->eps, t + (size_t)r * d);
     }
-    gemv_f16(a->gate, a->inter, d, t, n, g);
-    gemv_f16(a->up, a->inter, d, t, n, up);
+    gemv(a->gate, a->inter, d, t, n, g);
+    gemv(a->up, a->inter, d, t, n, up);
     for (size_t i = 0; i < (size_t)n * a->inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * up[i];
-    gemv_f16(a->down, d, a->inter, g, n, u);
+    gemv(a->down, d, a->inter, g, n, u);
     for (size_t i = 0; i < (size_t)n * d; i++) hid[i] += u[i];
     if (picked) {
         int m = 0;
         for (int r = 0; r < n; r++)
             if (last[r]) rms_norm(hid + (size_t)r * d, a->ln_final, d, a->eps, sel + (size_t)(m++) * d);
-        gemv_f16(a->head, a->vocab, d, sel, picked, logits);
+        gemv(a->head, a->vocab, d, sel, picked, logits);
         m = 0;
         for (int r = 0; r < n; r++)
             if (last[r]) best[r] = argmax_f32(logits + (size_t)(m++) * a->vocab, a->vocab);
     }
     free(buf);
+    return 0;
+}
+
+// One weight product as the passes run it (tests/kernels/isa_harness.c checks its rows across ISAs and
+// thread blocks).
+int eagle3_gemv(const HeadMat *m, int out, int in, const float *x, int n, float *y) {
+    gemv(*m, out, in, x, n, y);
     return 0;
 }
 
@@ -122,7 +129,7 @@ int eagle3_draft(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *counts
     }
     int32_t *pos = ints, *req = pos + cap, *best = req + cap, *tok = best + cap;
     uint8_t *last = (uint8_t *)(tok + cap);
-    gemv_f16(a->fc, d, 3 * a->target_hidden, feats, rows, hid);
+    gemv(a->fc, d, 3 * a->target_hidden, feats, rows, hid);
     for (int r = 0, i = 0; r < n; r++)
         for (int c = 0; c < counts[r]; c++, i++) {
             pos[i] = first[r] + c;

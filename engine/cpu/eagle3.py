@@ -17,14 +17,20 @@ from engine.models.eagle3 import LoadedEagle3
 SOURCE = Path(__file__).with_name("eagle3.c")
 
 
+class _Mat(ctypes.Structure):  # head_ops.h's HeadMat
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+MATRICES = ("fc", "q", "k", "v", "o", "gate", "up", "down", "head")
+
+
 class _Eagle3(ctypes.Structure):  # the C struct Eagle3, field for field
     _fields_ = [(name, ctypes.c_int) for name in
                 ("hidden", "target_hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
                  "norm_before_residual")] + \
         [("eps", ctypes.c_float), ("rope_base", ctypes.c_float)] + \
-        [(name, ctypes.c_void_p) for name in
-         ("fc", "q", "k", "v", "o", "gate", "up", "down", "head",
-          "ln_in", "ln_hidden", "ln_post", "ln_final")]
+        [(name, _Mat) for name in MATRICES] + \
+        [(name, ctypes.c_void_p) for name in ("ln_in", "ln_hidden", "ln_post", "ln_final")]
 
 
 class _HeadKV(ctypes.Structure):  # the C struct HeadKV
@@ -47,13 +53,20 @@ def unsupported_reason(loaded: LoadedEagle3) -> str | None:
     return None
 
 
-def _f16(w: mx.array) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(w.astype(mx.float16)))
+def int8_rows(w: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> (q int8 [out, in], scale float32 [out]), w ~ scale[:, None] * q (symmetric rows)."""
+    x = np.asarray(w.astype(mx.float32))
+    scale = np.abs(x).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(x / scale[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q), scale.astype(np.float32)
 
 
 class CpuEagle3:
-    """The head's weights as float16 copies, a float32 view of its token embedding, its paged KV as host
-    arrays [kv_heads, slots, head_dim] and the C entry point (`unsupported_reason` checked)."""
+    """The head's weight matrices as int8 rows with a scale each, a float32 view of its token embedding,
+    its paged KV as host arrays [kv_heads, slots, head_dim] and the C entry point (`unsupported_reason`
+    checked). The head's MLX modules take the int8 rows' values, so both backends run one set of weights
+    (drafts never reach outputs unverified, so the rounding costs acceptance only)."""
 
     def __init__(self, loaded: LoadedEagle3, num_blocks: int, block_size: int,
                  isa: str | None = None) -> None:
@@ -64,7 +77,14 @@ class CpuEagle3:
         self.lib.eagle3_draft.restype = ctypes.c_int
         mats = {"fc": head.fc, "q": head.q_proj, "k": head.k_proj, "v": head.v_proj, "o": head.o_proj,
                 "gate": head.gate_proj, "up": head.up_proj, "down": head.down_proj, "head": head.lm_head}
-        self._keep = {k: _f16(m.weight) for k, m in mats.items()}  # alive while C holds pointers
+        self._keep: dict[str, np.ndarray] = {}  # alive while C holds pointers
+        c_mats = {}
+        for name, m in mats.items():
+            q, scale = int8_rows(m.weight)
+            m.weight = (mx.array(q, dtype=mx.float32) * mx.array(scale)[:, None]).astype(m.weight.dtype)
+            self._keep[name], self._keep[f"{name}_scale"] = q, scale
+            c_mats[name] = _Mat(q.ctypes.data, scale.ctypes.data)
+        mx.eval(head.parameters())
         norms = {"ln_in": head.input_layernorm, "ln_hidden": head.hidden_norm,
                  "ln_post": head.post_attention_layernorm, "ln_final": head.norm}
         self._keep.update({k: np.ascontiguousarray(np.asarray(m.weight.astype(mx.float32)))
@@ -73,8 +93,8 @@ class CpuEagle3:
             hidden=cfg.hidden_size, target_hidden=cfg.target_hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
             vocab=cfg.draft_vocab_size, norm_before_residual=int(cfg.norm_before_residual),
-            eps=cfg.rms_norm_eps, rope_base=cfg.rope_theta,
-            **{k: v.ctypes.data for k, v in self._keep.items()})
+            eps=cfg.rms_norm_eps, rope_base=cfg.rope_theta, **c_mats,
+            **{k: v.ctypes.data for k, v in self._keep.items() if k.startswith("ln_")})
         self.embed = table
         ids = np.arange(cfg.draft_vocab_size, dtype=np.int64)
         if head.d2t is not None:

@@ -10,40 +10,82 @@
 #include <stdint.h>
 #include <string.h>
 
-// y[r, j] = dot(W[j, :], x[r, :]) for r < n, j < out; W float16 [out, in] row-major. Rows go four at a
-// time so each weight vector is converted once per four rows (catch-up passes carry many). One thread:
-// splitting the output rows between two cores was slower with the weights cached and no faster from memory.
-static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, float *y) {
+// A weight matrix [out, in], row-major: float16, or int8 rows with one float32 scale each (W[j] = scale[j] *
+// Q[j]: half float16's bytes; the draft loops' products read the weights from memory every pass).
+typedef struct {
+    const void *w;
+    const float *scale;  // NULL: float16
+} HeadMat;
+
+SS_INLINE vf mat_load(const void *row, int k, int i8) {
+    return i8 ? vload_i8((const int8_t *)row + k) : vload_f16((const uint16_t *)row + k);
+}
+
+SS_INLINE float mat_at(const void *row, int k, int i8) {
+    return i8 ? (float)((const int8_t *)row)[k] : f16_to_f32(((const uint16_t *)row)[k]);
+}
+
+// y[r, j] = dot(W[j, :], x[r, :]) for r < n, j < out (int8: the sum, then times scale[j]). Rows go four at
+// a time so each weight vector is converted once per four rows, and in blocks that stay in L2 while the
+// weights stream past once per block (a prompt's catch-up carries hundreds of rows: streaming the rows once
+// per weight row instead read them from memory out times). Sixteen rows or more split into blocks across
+// the threads; fewer take one thread (splitting a few rows' outputs between two cores was slower).
+SS_INLINE void gemv_body(const void *w, const float *scale, int i8, int out, int in, const float *x, int n,
+                         float *y) {
     const int full = in & ~15;
-    for (int j = 0; j < out; j++) {
-        const uint16_t *row = w + (size_t)j * in;
-        int r = 0;
-        for (; r + 4 <= n; r += 4) {
-            const float *x0 = x + (size_t)r * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
-            vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-            for (int k = 0; k < full; k += 16) {
-                const vf wk = vload_f16(row + k);
-                a0 = vfma(wk, vload(x0 + k), a0);
-                a1 = vfma(wk, vload(x1 + k), a1);
-                a2 = vfma(wk, vload(x2 + k), a2);
-                a3 = vfma(wk, vload(x3 + k), a3);
+    const size_t esize = i8 ? 1 : 2;
+    const int nth = n >= 16 ? omp_get_max_threads() : 1, even = ((n + nth - 1) / nth + 3) & ~3;
+    int block = (int)((192u << 10) / (sizeof(float) * (size_t)in)) & ~3;
+    block = even < block ? even : block;
+    block = block < 4 ? 4 : block;
+    const int blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int r0 = b * block, r1 = r0 + block < n ? r0 + block : n;
+        for (int j = 0; j < out; j++) {
+            const void *row = (const char *)w + (size_t)j * in * esize;
+            const float sc = i8 ? scale[j] : 1.0f;
+            int r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                const float *x0 = x + (size_t)r * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+                vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+                for (int k = 0; k < full; k += 16) {
+                    const vf wk = mat_load(row, k, i8);
+                    a0 = vfma(wk, vload(x0 + k), a0);
+                    a1 = vfma(wk, vload(x1 + k), a1);
+                    a2 = vfma(wk, vload(x2 + k), a2);
+                    a3 = vfma(wk, vload(x3 + k), a3);
+                }
+                float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
+                for (int i = 0; i < 4; i++) {
+                    const float *xr = x0 + (size_t)i * in;
+                    for (int k = full; k < in; k++) s[i] += mat_at(row, k, i8) * xr[k];
+                    y[(size_t)(r + i) * out + j] = i8 ? s[i] * sc : s[i];
+                }
             }
-            float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
-            for (int i = 0; i < 4; i++) {
-                const float *xr = x0 + (size_t)i * in;
-                for (int k = full; k < in; k++) s[i] += f16_to_f32(row[k]) * xr[k];
-                y[(size_t)(r + i) * out + j] = s[i];
+            for (; r < r1; r++) {
+                const float *xr = x + (size_t)r * in;
+                vf acc = vzero();
+                for (int k = 0; k < full; k += 16) acc = vfma(mat_load(row, k, i8), vload(xr + k), acc);
+                float s = vhsum(acc);
+                for (int k = full; k < in; k++) s += mat_at(row, k, i8) * xr[k];
+                y[(size_t)r * out + j] = i8 ? s * sc : s;
             }
-        }
-        for (; r < n; r++) {
-            const float *xr = x + (size_t)r * in;
-            vf acc = vzero();
-            for (int k = 0; k < full; k += 16) acc = vfma(vload_f16(row + k), vload(xr + k), acc);
-            float s = vhsum(acc);
-            for (int k = full; k < in; k++) s += f16_to_f32(row[k]) * xr[k];
-            y[(size_t)r * out + j] = s;
         }
     }
+}
+
+static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, float *y) {
+    gemv_body(w, NULL, 0, out, in, x, n, y);
+}
+
+static void gemv_i8(const int8_t *w, const float *scale, int out, int in, const float *x, int n, float *y) {
+    gemv_body(w, scale, 1, out, in, x, n, y);
+}
+
+static void gemv(HeadMat m, int out, int in, const float *x, int n, float *y) {
+    if (m.scale) gemv_i8((const int8_t *)m.w, m.scale, out, in, x, n, y);
+    else gemv_f16((const uint16_t *)m.w, out, in, x, n, y);
 }
 
 static void rms_norm(const float *x, const float *g, int d, float eps, float *y) {

@@ -71,6 +71,9 @@ SS_INLINE vf vload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_
 SS_INLINE vf vload_u8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+SS_INLINE vf vload_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 SS_INLINE vq vq_load(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 SS_INLINE vtab vtab_make(vf s, vf b) {
     return _mm512_fmadd_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), s, b);
@@ -157,6 +160,10 @@ SS_INLINE vf vload_f16(const uint16_t *p) {
 SS_INLINE vf vload_u8(const uint8_t *p) {
     return vf2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
+}
+SS_INLINE vf vload_i8(const int8_t *p) {
+    return vf2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 }
 // Widened straight from memory (two vpmovzxbd): no byte shuffles left for the nibbles.
 SS_INLINE vq vq_load(const uint8_t *p) {
@@ -273,6 +280,13 @@ SS_INLINE vf ss_u8_to_f(uint8x16_t q) {
     return r;
 }
 SS_INLINE vf vload_u8(const uint8_t *p) { return ss_u8_to_f(vld1q_u8(p)); }
+SS_INLINE vf vload_i8(const int8_t *p) {
+    const int8x16_t q = vld1q_s8(p);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_s8(vget_high_s8(q));
+    vf r = {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+             vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))}};
+    return r;
+}
 SS_INLINE vq vq_load(const uint8_t *p) { return vld1q_u8(p); }
 SS_INLINE vtab vtab_make(vf s, vf b) { vtab t = {s.val[0], b.val[0]}; return t; }
 SS_INLINE vf ss_nibbles(uint8x16_t q, vtab t) {

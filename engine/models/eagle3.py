@@ -94,7 +94,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def read_config(folder: Path) -> Eagle3Config:
     """The head's shape from either layout's config.json; unknown variants are refused by name."""
-    raw = _read_json(folder / "config.json")
+    return parse_config(_read_json(folder / "config.json"), folder / "config.json")
+
+
+def parse_config(raw: dict[str, Any], source: Path | str) -> Eagle3Config:
+    """`read_config` for a config already read (`source` names it in errors)."""
     if raw.get("speculators_model_type") == SPECULATORS_TYPE:
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
@@ -108,7 +112,7 @@ def read_config(folder: Path) -> Eagle3Config:
         norm_before_residual = bool(raw.get("norm_before_residual", False))
         aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     else:
-        raise _fail(f"{folder} is not an EAGLE-3 head (no speculators_model_type 'eagle3' or "
+        raise _fail(f"{source} is not an EAGLE-3 head (no speculators_model_type 'eagle3' or "
                     f"architecture {EAGLE_ARCHITECTURE})")
     if flags := [f for f in _UNSUPPORTED_FLAGS if top.get(f)]:
         raise _fail(f"EAGLE-3 options {flags} are not supported")
@@ -131,7 +135,7 @@ def read_config(folder: Path) -> Eagle3Config:
             aux_layer_ids=tuple(sorted(int(i) for i in aux)) if aux else None,
             norm_before_residual=norm_before_residual)
     except (KeyError, TypeError, ValueError) as e:
-        raise _fail(f"{folder / 'config.json'}: missing or invalid {e}") from None
+        raise _fail(f"{source}: missing or invalid {e}") from None
     if cfg.aux_layer_ids is not None and len(cfg.aux_layer_ids) != 3:
         raise _fail(f"eagle_aux_hidden_state_layer_ids must name 3 layers, got {list(cfg.aux_layer_ids)}")
     return cfg

@@ -60,6 +60,7 @@ class TrainSettings:
     eval_fraction: float = 0.04  # generated sequences held out
     # Train on answer positions only (held-out top-1 always is): opt-in, it did not raise acceptance.
     answer_only: bool = False
+    init: Path | None = None  # start from this trained assistant (its head vocabulary), fresh optimizer
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -164,6 +165,15 @@ def head_rows(target: LoadedModel, ids: mx.array) -> mx.array:
     return w[ids].astype(mx.float32)
 
 
+def strongest_neurons(gate: mx.array, up: mx.array, down: mx.array,
+                      n: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A SwiGLU MLP's weights cut to the `n` neurons of largest |gate| * |up| * |down| row / column norms,
+    in their original order."""
+    score = mx.linalg.norm(gate, axis=1) * mx.linalg.norm(up, axis=1) * mx.linalg.norm(down, axis=0)
+    keep = mx.sort(mx.argsort(-score.astype(mx.float32))[:n])
+    return gate[keep], up[keep], down[:, keep]
+
+
 def init_from_target(target: LoadedModel, head_ids: list[int], layer: int,
                      intermediate_size: int | None = None) -> TrainedAssistant:
     """The assistant starts as the target's `layer` (MLP cut to the `intermediate_size` neurons of largest
@@ -181,9 +191,8 @@ def init_from_target(target: LoadedModel, head_ids: list[int], layer: int,
     if intermediate_size > inter:
         raise ValueError(f"intermediate_size {intermediate_size} is wider than the target's MLP ({inter})")
     if intermediate_size < inter:
-        score = mx.linalg.norm(gate, axis=1) * mx.linalg.norm(up, axis=1) * mx.linalg.norm(down, axis=0)
-        keep = mx.sort(mx.argsort(-score.astype(mx.float32))[:intermediate_size])
-        gate, up, down, inter = gate[keep], up[keep], down[:, keep], intermediate_size
+        gate, up, down = strongest_neurons(gate, up, down, intermediate_size)
+        inter = intermediate_size
     config = {"model_type": TRAINED_TYPE, "target_model_type": target.config.get("model_type"),
               "target_name": target.name, "target_layer": layer, "vocab_size": target.vocab_size,
               "backbone_hidden_size": d, "hidden_size": d, "num_attention_heads": args.num_attention_heads,
@@ -331,21 +340,33 @@ def _training_features(target: LoadedModel, out: Path, prompts_path: Path, s: Tr
     return seqs, held, train
 
 
-def _head_vocabulary(feats: list[Features], head_size: int) -> tuple[list[int], float]:
-    """The most frequent of the scored labels (the answers' next tokens), and the share they cover."""
-    counts = Counter(t for f in feats for t in int_list(f["labels"][max(1, int(f["start"])):]))
-    head_ids = [t for t, _ in counts.most_common(head_size)]
-    return head_ids, sum(counts[t] for t in head_ids) / max(1, sum(counts.values()))
+def _scored_labels(feats: list[Features]) -> Counter[int]:
+    """The scored labels (the answers' next tokens) and how often each occurs."""
+    return Counter(t for f in feats for t in int_list(f["labels"][max(1, int(f["start"])):]))
+
+
+def _head_vocabulary(feats: list[Features], head_size: int) -> list[int]:
+    """The `head_size` most frequent scored labels."""
+    return [t for t, _ in _scored_labels(feats).most_common(head_size)]
+
+
+def _label_coverage(feats: list[Features], head_ids: list[int]) -> float:
+    """The share of the scored labels `head_ids` covers."""
+    counts = _scored_labels(feats)
+    return sum(counts[t] for t in set(head_ids)) / max(1, sum(counts.values()))
 
 
 def _net_and_optimizer(target: LoadedModel, out: Path, head_ids: list[int], layer: int,
                        s: TrainSettings) -> tuple[TrainedAssistant, optim.Optimizer, int]:
-    """The assistant and its optimizer, resumed from `out/checkpoint` where one exists, and the step."""
+    """The assistant and its optimizer, resumed from `out/checkpoint` where one exists (else `s.init`'s
+    weights, else the target's layer), and the step."""
     ck = out / "checkpoint"
     start = 0
     if (ck / "state.json").exists():
         net = load_trained(ck, json.loads((ck / "config.json").read_text()), mx.float32)
         start = json.loads((ck / "state.json").read_text())["step"]
+    elif s.init is not None:
+        net = load_trained(s.init, json.loads((s.init / "config.json").read_text()), mx.float32)
     else:
         net = init_from_target(target, head_ids, layer, s.intermediate_size)
     sched = optim.cosine_decay(s.lr, max(1, s.steps), end=s.lr * 0.05)
@@ -418,9 +439,10 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     mx.random.seed(s.seed)
     layer = len(target.model.layers) - 1
     seqs, held, feats = _training_features(target, out, prompts_path, s, layer, progress)
-    head_ids, coverage = _head_vocabulary(feats, s.head_size)
+    head_ids = _head_vocabulary(feats, s.head_size)
     net, opt, start = _net_and_optimizer(target, out, head_ids, layer, s)
-    head_ids = int_list(net.vocab_ids)  # a resumed checkpoint keeps its own head vocabulary
+    head_ids = int_list(net.vocab_ids)  # a resumed or --init assistant keeps its own head vocabulary
+    coverage = _label_coverage(feats, head_ids)
     teacher = _Teacher(target.model.model.embed_tokens, {t: i for i, t in enumerate(head_ids)},
                        head_rows(target, mx.array(head_ids, dtype=mx.int32)),
                        getattr(target.model.args, "final_logit_softcapping", None))
@@ -454,7 +476,8 @@ def given(args: argparse.Namespace, *names: str) -> dict:
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     return TrainSettings(**given(args, "steps", "head_size", "intermediate_size", "max_tokens", "seed",
                                  "max_prompts"),
-                         mix_sampled=args.mix_sampled, answer_only=getattr(args, "answer_only", False))
+                         mix_sampled=args.mix_sampled, answer_only=getattr(args, "answer_only", False),
+                         init=Path(args.init) if getattr(args, "init", None) else None)
 
 
 def main_cli(args: argparse.Namespace) -> int:

@@ -34,7 +34,14 @@ from tqdm import tqdm
 
 from engine.cpu.host import int_list
 from engine.models import adapter
-from engine.models.eagle3 import SPECULATORS_TYPE, Eagle3Config, Eagle3Head, default_aux_layers, read_config
+from engine.models.eagle3 import (
+    SPECULATORS_TYPE,
+    Eagle3Config,
+    Eagle3Head,
+    default_aux_layers,
+    parse_config,
+    read_config,
+)
 from engine.models.loader import LoadedModel
 from engine.models.weights import load_arrays
 from engine.training.assistant import (
@@ -48,6 +55,7 @@ from engine.training.assistant import (
     restore_optimizer,
     run_cli,
     save_optimizer,
+    strongest_neurons,
 )
 from specserve_configs import shipped
 
@@ -71,6 +79,8 @@ class Eagle3Settings:
     eval_every: int = 500
     max_num_seqs: int = 128  # generation batch
     aux_layer_ids: tuple[int, ...] | None = None  # None: (2, L // 2, L - 3)
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's; with init: the init's)
+    init: Path | None = None  # start from this trained head (its vocabulary and aux layers), fresh optimizer
 
 
 class SeqFeatures(TypedDict):
@@ -119,16 +129,25 @@ def all_features(target: LoadedModel, seqs: list[list[int]], aux: tuple[int, ...
     return [got[i] for i in range(len(seqs))]
 
 
+def _answer_counts(feats: list[SeqFeatures]) -> Counter[int]:
+    return Counter(t for f in feats for t in int_list(f["tokens"][f["start"]:]))
+
+
+def vocab_coverage(feats: list[SeqFeatures], vocab_ids: list[int]) -> float:
+    """The share of the answer tokens that `vocab_ids` holds."""
+    counts = _answer_counts(feats)
+    return sum(counts[t] for t in set(vocab_ids)) / max(1, sum(counts.values()))
+
+
 def draft_vocabulary(feats: list[SeqFeatures], size: int, vocab: int) -> tuple[list[int], float]:
     """The `size` most frequent answer tokens (ties: the lower id; padded with the lowest unused ids),
     ascending as d2t wants them, and the share of answer tokens they cover."""
-    counts = Counter(t for f in feats for t in int_list(f["tokens"][f["start"]:]))
+    counts = _answer_counts(feats)
     size = min(size, vocab)
     chosen = sorted(counts, key=lambda t: (-counts[t], t))[:size]
     taken = set(chosen)
     chosen += [t for t in range(vocab) if t not in taken][: size - len(chosen)]
-    covered = sum(counts[t] for t in chosen)
-    return sorted(chosen), covered / max(1, sum(counts.values()))
+    return sorted(chosen), vocab_coverage(feats, chosen)
 
 
 def output_rows(target: LoadedModel, ids: list[int]) -> mx.array:
@@ -144,7 +163,8 @@ def output_rows(target: LoadedModel, ids: list[int]) -> mx.array:
     return head(eye).T[idx].astype(mx.float32)
 
 
-def head_config(target: LoadedModel, draft_vocab: int, aux: tuple[int, ...], k: int) -> dict[str, Any]:
+def head_config(target: LoadedModel, draft_vocab: int, aux: tuple[int, ...], k: int,
+                intermediate_size: int | None = None) -> dict[str, Any]:
     """config.json in the speculators layout: the layer shaped as the target's own (speculators copies the
     verifier's config), residual from the normed hidden (speculators' and vLLM's default)."""
     t, args = target.config, target.model.args
@@ -152,7 +172,7 @@ def head_config(target: LoadedModel, draft_vocab: int, aux: tuple[int, ...], k: 
     h = int(args.hidden_size)
     layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
              "num_attention_heads": int(args.num_attention_heads), "num_key_value_heads": n_kv,
-             "head_dim": head_dim, "intermediate_size": int(args.intermediate_size),
+             "head_dim": head_dim, "intermediate_size": intermediate_size or int(args.intermediate_size),
              "rms_norm_eps": float(args.rms_norm_eps),
              "rope_theta": float(getattr(args, "rope_theta", 10000.0)),
              "rope_scaling": t.get("rope_scaling"), "max_position_embeddings": target.max_position_embeddings,
@@ -233,6 +253,34 @@ def load_head(target: LoadedModel, folder: Path) -> tuple[Eagle3Head, list[int]]
     head.lm_head.freeze()
     mx.eval(head.parameters())
     return head, vocab
+
+
+def narrowed_head(target: LoadedModel, folder: Path, feats: list[SeqFeatures], draft_vocab_size: int,
+                  intermediate_size: int | None) -> tuple[Eagle3Head, list[int], dict[str, Any]]:
+    """A trained head to train on: its vocabulary cut to the `draft_vocab_size` tokens most frequent in
+    `feats`' answers (lm_head holds the target's rows, so the kept rows score as before), its MLP cut to the
+    `intermediate_size` neurons of largest |gate| * |up| * |down| norms; neither ever grows."""
+    old, vocab = load_head(target, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if draft_vocab_size < len(vocab):
+        counts = _answer_counts(feats)
+        vocab = sorted(sorted(vocab, key=lambda t: (-counts[t], t))[:draft_vocab_size])
+        config["draft_vocab_size"] = len(vocab)
+    params = dict(tree_flatten(old.trainable_parameters()))
+    if intermediate_size is not None and intermediate_size < old.cfg.intermediate_size:
+        if intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, not {intermediate_size}")
+        cut = strongest_neurons(old.gate_proj.weight, old.up_proj.weight, old.down_proj.weight,
+                                intermediate_size)
+        params.update(zip(("gate_proj.weight", "up_proj.weight", "down_proj.weight"), cut, strict=True))
+        config["transformer_layer_config"]["intermediate_size"] = intermediate_size
+    head = Eagle3Head(parse_config(config, folder / "config.json"), old.embed)
+    head.load_weights(list(params.items()), strict=False)  # lm_head: below
+    head.lm_head.weight = output_rows(target, vocab)  # the target's own rows, not a float16 copy
+    head.set_dtype(mx.float32)
+    head.lm_head.freeze()
+    mx.eval(head.parameters())
+    return head, vocab, config
 
 
 def _shift(a: mx.array, start: int, rows: int, fill: float = 0.0) -> mx.array:
@@ -438,8 +486,8 @@ def _data(target: LoadedModel, out: Path, prompts_path: Path, heldout_path: Path
 def _head_and_optimizer(target: LoadedModel, out: Path, train: list[SeqFeatures], s: Eagle3Settings,
                         aux: tuple[int, ...],
                         resume: bool) -> tuple[Eagle3Head, list[int], optim.Optimizer, dict]:
-    """The head (fresh, or out/checkpoint's with `resume`), its vocabulary, the optimizer and the state
-    (its config.json under "config")."""
+    """The head (fresh, `s.init`'s, or out/checkpoint's with `resume`), its vocabulary, the optimizer and
+    the state (its config.json under "config")."""
     ck = out / "checkpoint"
     opt = _optimizer(s)
     if resume and (ck / "state.json").exists():
@@ -449,8 +497,12 @@ def _head_and_optimizer(target: LoadedModel, out: Path, train: list[SeqFeatures]
         state = json.loads((ck / "state.json").read_text())
         restore_optimizer(ck, opt, head.trainable_parameters())
         return head, vocab, opt, {**state, "config": json.loads((ck / "config.json").read_text())}
+    if s.init is not None:
+        head, vocab, config = narrowed_head(target, s.init, train, s.draft_vocab_size, s.intermediate_size)
+        (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        return head, vocab, opt, {"step": 0, "coverage": vocab_coverage(train, vocab), "config": config}
     vocab, coverage = draft_vocabulary(train, s.draft_vocab_size, target.vocab_size)
-    config = head_config(target, len(vocab), aux, s.ttt_steps)
+    config = head_config(target, len(vocab), aux, s.ttt_steps, s.intermediate_size)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     head = new_head(target, read_config(out), vocab, s.init_std)  # read back as serving reads it
     return head, vocab, opt, {"step": 0, "coverage": coverage, "config": config}
@@ -467,6 +519,8 @@ def train_eagle3(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PR
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(s.seed)
     aux = tuple(sorted(s.aux_layer_ids or default_aux_layers(len(target.model.layers))))
+    if s.init is not None and read_config(s.init).aux_layer_ids != aux:  # before the data is made
+        raise ValueError(f"{s.init} reads aux layers {read_config(s.init).aux_layer_ids}, not {aux}")
     adapter.aux_order(aux, len(target.model.layers))  # refuses repeated or out-of-range ids
     train, held = _data(target, out, prompts_path, heldout_path, s, aux, progress)
     head, vocab, opt, state = _head_and_optimizer(target, out, train, s, aux, resume)
@@ -502,7 +556,8 @@ def _summary(head: Eagle3Head, train: list[SeqFeatures], held: list[SeqFeatures]
         return {f"draft{k + 1}": round(x, 4) for k, x in enumerate(xs)}
 
     held_now = agreement(head, held, teacher) if held else []
-    return {"sequences": len(train), "tokens": sum(int(f["tokens"].shape[0]) for f in train),
+    return {"init": str(s.init) if s.init else None, "intermediate_size": head.cfg.intermediate_size,
+            "lr": s.lr, "sequences": len(train), "tokens": sum(int(f["tokens"].shape[0]) for f in train),
             "answer_tokens": sum(int(f["tokens"].shape[0]) - f["start"] for f in train),
             "held_out_sequences": len(held), "draft_vocab_size": head.cfg.draft_vocab_size,
             "draft_vocab_coverage": round(state["coverage"], 4), "ttt_steps": s.ttt_steps, "steps": s.steps,
@@ -513,6 +568,7 @@ def _summary(head: Eagle3Head, train: list[SeqFeatures], held: list[SeqFeatures]
             # Top-1 agreement with the target's argmax on answer tokens: draft1 is the first draft, draft2
             # and draft3 TTT steps 2 and 3 (given the drafts before them were right).
             "held_out_top1": named(held_now),
+            # "untrained": the head before this run's steps (with --init: the trained head, cut).
             "held_out_top1_untrained": named(state["untrained"]["held_out"]),
             "held_out_first_draft_by_step": {str(k): round(v, 4) for k, v in evals.items()},
             "train_top1": named(agreement(head, train[-8:], teacher)),
@@ -522,10 +578,10 @@ def _summary(head: Eagle3Head, train: list[SeqFeatures], held: list[SeqFeatures]
 def settings_from_args(args: argparse.Namespace) -> Eagle3Settings:
     """The flags the user set over Eagle3Settings' defaults; `--max-sequences 0` means every prompt."""
     got = given(args, "max_sequences", "max_new_tokens", "draft_vocab_size", "steps", "batch_size", "lr",
-                "ttt_steps", "seed")
+                "ttt_steps", "seed", "intermediate_size")
     if "max_sequences" in got:
         got["max_sequences"] = got["max_sequences"] or None
-    return Eagle3Settings(**got)
+    return Eagle3Settings(**got, init=Path(args.init) if args.init else None)
 
 
 def main_cli(args: argparse.Namespace) -> int:

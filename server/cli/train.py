@@ -15,6 +15,12 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--seed", type=int)
 
 
+def _init(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--init", default=None,
+                   help=f"start from this trained {what} (its vocabulary kept) with a fresh optimizer and "
+                        "schedule, e.g. to train a shipped one on more data")
+
+
 def add_parsers(sub: Any) -> None:
     # Numeric training flags default to None: the defaults live in TrainSettings / Eagle3Settings /
     # DraftSettings.
@@ -31,6 +37,7 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--max-tokens", type=int, help="tokens generated per answer")
     train.add_argument("--answer-only", action="store_true",
                        help="score answer positions only (default: every position)")
+    _init(train, "assistant")
     eagle = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for MODEL (method: eagle3)",
                            description="The target writes its own training text, then a one-layer EAGLE-3 "
                                        "head learns to draft from the target's features with training-time "
@@ -46,7 +53,11 @@ def add_parsers(sub: Any) -> None:
     eagle.add_argument("--batch-size", type=int, help="sequences per step")
     eagle.add_argument("--lr", type=float, help="peak learning rate (AdamW, warm-up then cosine decay)")
     eagle.add_argument("--ttt-steps", type=int, help="training-time-test steps (draft positions trained)")
+    eagle.add_argument("--intermediate-size", type=int,
+                       help="the head's MLP width (default: the target's; with --init, its strongest neurons "
+                            "are kept)")
     eagle.add_argument("--resume", action="store_true", help="continue OUT/checkpoint")
+    _init(eagle, "head")
     draft = sub.add_parser("train-draft", help="distil a small draft model for MODEL (method: draft_model)",
                            description="The target's first layers, trained on the text the target writes "
                                        "itself. Resumable: rerun to continue.")

@@ -40,6 +40,13 @@ def test_modes_are_the_example_configs() -> None:
     assert got["ngram-auto"]["num_speculative_tokens"] == "auto"  # adaptive modes keep their config
     with pytest.raises(ValueError, match="unknown mode 'baseline'"):
         modes.resolve(["baseline"])
+    # A label may hold '=' (the JSON starts at the first '={'); a value that is no JSON object is refused.
+    got = modes.from_flags("off", None, ['mtp k=2={"method": "mtp", "num_speculative_tokens": 2}'],
+                           default=[])
+    assert got["mtp k=2"] == {"method": "mtp", "num_speculative_tokens": 2}
+    for bad in ("x=[1]", "x=nope", "x={1}"):
+        with pytest.raises(ValueError, match="--speculative-config"):
+            modes.from_flags(None, None, [bad], default=[])
 
 
 def test_levels_and_request_counts() -> None:

@@ -10,6 +10,7 @@
 int mtp_step(const void *a, int n, const int32_t *tokens, float *hidden, const float *embed, float embed_scale,
              const int32_t *pos, const int32_t *tables, int table_len, int block_size, const float *kc,
              const float *vc, long slots, float *logits, float *next_hidden);
+int eagle3_gemv(const void *m, int out, int in, const float *x, int n, float *y);
 int eagle3_draft(const void *a, const void *kv, int n, const int32_t *counts, const int32_t *tokens,
                  const float *feats, const float *embed, const int32_t *ids, const int32_t *first,
                  const int32_t *want, int max_k, int32_t *drafts);
@@ -256,9 +257,13 @@ static void mtp_cases(void) {
 
 // engine/cpu/eagle3.c's Eagle3 and HeadKV, field for field.
 typedef struct {
+    const void *w;
+    const float *scale;
+} HMat;
+typedef struct {
     int hidden, target_hidden, heads, kv_heads, head_dim, inter, vocab, norm_before_residual;
     float eps, rope_base;
-    const uint16_t *fc, *q, *k, *v, *o, *gate, *up, *down, *head;
+    HMat fc, q, k, v, o, gate, up, down, head;
     const float *ln_in, *ln_hidden, *ln_post, *ln_final;
 } HEagle3;
 typedef struct {
@@ -275,10 +280,17 @@ static void eagle3_cases(void) {
     const size_t sizes[] = {(size_t)d * 3 * d, (size_t)heads * hd * 2 * d, (size_t)kvh * hd * 2 * d,
                             (size_t)kvh * hd * 2 * d, (size_t)d * heads * hd, (size_t)inter * d, (size_t)inter * d,
                             (size_t)d * inter, (size_t)vd * d};
-    uint16_t *mats[9];
-    for (int m = 0; m < 9; m++) {  // weights of magnitude 2^-6..2^-3
-        mats[m] = halves(sizes[m], 0);
-        for (size_t i = 0; i < sizes[m]; i++) mats[m][i] = (uint16_t)((mats[m][i] & 0x83FF) | ((9 + i % 3) << 10));
+    HMat mats[9];
+    for (int m = 0; m < 9; m++) {
+        if (m % 2) {  // float16 weights of magnitude 2^-6..2^-3
+            uint16_t *w = halves(sizes[m], 0);
+            for (size_t i = 0; i < sizes[m]; i++) w[i] = (uint16_t)((w[i] & 0x83FF) | ((9 + i % 3) << 10));
+            mats[m] = (HMat){w, NULL};
+        } else {  // int8 rows, scales up to 2^-9 (weights up to 2^-2)
+            float *scale = floats(sizes[m] / d, 1.0f / 512);
+            for (size_t i = 0; i < sizes[m] / d; i++) scale[i] = fabsf(scale[i]) + 1.0f / 4096;
+            mats[m] = (HMat){bytes(sizes[m]), scale};
+        }
     }
     HEagle3 a = {d, d, heads, kvh, hd, inter, vd, 1, 1e-6f, 10000.0f, mats[0], mats[1], mats[2], mats[3], mats[4],
                  mats[5], mats[6], mats[7], mats[8], floats(d, 1.0f), floats(d, 1.0f), floats(d, 1.0f),
@@ -305,6 +317,27 @@ static void eagle3_cases(void) {
     record("eagle3/vcache", written[1], sizeof(written[1]));
 }
 
+// The draft heads' weight products, float16 and int8 rows: 70 rows in thread blocks, each row's bits those
+// of the same row in a product of fewer rows (one thread, or other blocks).
+static void head_gemv_cases(void) {
+    const int out = 7, in = 100, n = 70;  // a K tail (100 = 96 + 4); 70 rows: several blocks, a row tail
+    uint16_t *wh = halves((size_t)out * in, 0);
+    for (size_t i = 0; i < (size_t)out * in; i++) wh[i] = (uint16_t)((wh[i] & 0x83FF) | ((9 + i % 3) << 10));
+    const int8_t *wq = (const int8_t *)bytes((size_t)out * in);
+    const float *x = floats((size_t)n * in, 1.0f), *scale = floats(out, 0.01f);
+    float *full = malloc(sizeof(float) * n * out), *part = malloc(sizeof(float) * n * out);
+    for (int i8 = 0; i8 < 2; i8++) {
+        const HMat m = {i8 ? (const void *)wq : (const void *)wh, i8 ? scale : NULL};
+        eagle3_gemv(&m, out, in, x, n, full);
+        record(i8 ? "head_gemv/i8" : "head_gemv/f16", full, sizeof(float) * n * out);
+        for (int rows = 1; rows < n; rows = rows < 20 ? rows + 1 : rows + 7) {
+            eagle3_gemv(&m, out, in, x, rows, part);
+            check_rows(i8 ? "head gemv i8" : "head gemv f16", full, part, rows, out);
+        }
+    }
+    free(full), free(part);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2 || argc > 3) {
         fprintf(stderr, "usage: %s OUT [quick]\n", argv[0]);
@@ -320,6 +353,7 @@ int main(int argc, char **argv) {
     layer_cases();
     mtp_cases();
     eagle3_cases();
+    head_gemv_cases();
     fclose(out);
     return invariance_failures ? 1 : 0;
 }

@@ -4,6 +4,7 @@ and a checkpoint that `method: mtp` loads and serves with exact greedy output.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,6 +72,15 @@ def test_train_resume_and_serve(tmp_path: Path) -> None:
     assert second["sequences"] == 6
     after = mx.load(str(out / "checkpoint" / "model.safetensors"))["self_attn.q_proj.weight"]
     assert not mx.array_equal(before, after).item()  # training went on
+
+    # --init: a new run starts from the trained assistant (weights and head vocabulary); zero steps write
+    # the same tensors back.
+    again = tmp_path / "init"
+    train_assistant(target, again, s=replace(_settings(0), init=out, max_prompts=2), progress=False)
+    was, now = mx.load(str(out / "model.safetensors")), mx.load(str(again / "model.safetensors"))
+    assert set(was) == set(now)
+    for name in was:
+        assert mx.array_equal(was[name], now[name]).item(), name
 
     assistant = load_assistant(str(out), target)
     assert assistant.target_layers == [len(target.model.layers) - 1]

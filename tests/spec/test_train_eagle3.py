@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from engine.attention.types import build_metadata
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu.host import int_list
 from engine.llm import LLM
 from engine.models import adapter
 from engine.models.eagle3 import load_eagle3, read_config
@@ -29,6 +31,8 @@ from engine.training.eagle3 import (
     Eagle3Settings,
     Teacher,
     head_config,
+    load_head,
+    narrowed_head,
     new_head,
     output_rows,
     save_head,
@@ -154,6 +158,50 @@ def test_training_lowers_the_loss_raises_top1_and_resumes(trained: Trained) -> N
     assert json.loads((ck / "state.json").read_text())["step"] == STEPS + 4
     assert again["sequences"] == 12 and again["train_top1_untrained"] == s["train_top1_untrained"]
     assert not mx.array_equal(before, mx.load(str(ck / "model.safetensors"))["fc.weight"]).item()
+
+
+def test_init_starts_from_a_trained_head_on_new_data(trained: Trained) -> None:
+    """`init`: the head's weights and vocabulary are the trained one's (new data would choose another
+    vocabulary), with a fresh schedule: zero steps write the same tensors back."""
+    target, out, s = trained
+    again = out.parent / "init-head"
+    more = _prompts(out.parent / "more.jsonl", 16, 2)
+    summary = train_eagle3(target, again, more, None, replace(_settings(0), init=out), progress=False)
+    assert summary["sequences"] == 16 and summary["steps"] == 0
+    was, now = mx.load(str(out / "model.safetensors")), mx.load(str(again / "model.safetensors"))
+    assert set(was) == set(now)
+    for name in was:
+        assert mx.array_equal(was[name], now[name]).item(), name
+    assert json.loads((again / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+    assert 0 < summary["draft_vocab_coverage"] < 1  # the trained head's vocabulary, measured on the new data
+    with pytest.raises(ValueError, match="aux layers"):
+        train_eagle3(target, out.parent / "init-other", more, None,
+                     replace(_settings(0), init=out, aux_layer_ids=(1, 3, 5)), progress=False)
+
+
+def test_narrowed_head_keeps_the_frequent_tokens_and_strongest_neurons(trained: Trained) -> None:
+    """A vocabulary cut keeps the most frequent answer tokens and their logits; an MLP cut keeps the
+    neurons of largest norm product, whose weights are the trained ones."""
+    target, out, _ = trained
+    old, vocab = load_head(target, out)
+    feats = sequence_features(target, [list(range(100, 140))], AUX, [4])
+    head, cut, config = narrowed_head(target, out, feats, 32, None)
+    counts = Counter(int_list(feats[0]["tokens"][4:]))
+    assert len(cut) == 32 and cut == sorted(cut) and set(cut) <= set(vocab)
+    assert {t for t in counts if t in set(vocab)} <= set(cut)  # every answer token the head held
+    assert config["draft_vocab_size"] == 32 and head.cfg.draft_vocab_size == 32
+    # The kept rows are the target's own (float32, where the saved head holds float16 copies).
+    assert mx.array_equal(head.lm_head.weight, output_rows(target, cut)).item()
+    rows = mx.array([vocab.index(t) for t in cut])
+    np.testing.assert_allclose(np.array(head.lm_head.weight), np.array(old.lm_head.weight[rows]), atol=2e-3)
+    narrow, same, config = narrowed_head(target, out, feats, 10**6, 8)
+    assert same == vocab and config["transformer_layer_config"]["intermediate_size"] == 8
+    g, u, d = old.gate_proj.weight, old.up_proj.weight, old.down_proj.weight
+    score = np.array(mx.linalg.norm(g, axis=1) * mx.linalg.norm(u, axis=1) * mx.linalg.norm(d, axis=0))
+    keep = np.sort(np.argsort(-score)[:8])
+    np.testing.assert_array_equal(np.array(narrow.gate_proj.weight), np.array(g)[keep])
+    np.testing.assert_array_equal(np.array(narrow.down_proj.weight), np.array(d)[:, keep])
+    np.testing.assert_array_equal(np.array(narrow.fc.weight), np.array(old.fc.weight))
 
 
 def _serving_aux(core: EngineCore, ids: list[int]) -> mx.array:
