@@ -33,6 +33,7 @@ def test_cut_model_keeps_the_first_layers(tmp_path: Path) -> None:
         cut_model(target, len(target.model.layers))
 
 
+@pytest.mark.slow  # 45 s on 2 cores: the default suite's longest test (pytest -m slow runs it)
 def test_train_resume_and_serve_as_draft(tmp_path: Path) -> None:
     target = load_model(str(make_tiny_folder("llama", tmp_path)), dtype="float32", progress=False)
     out = tmp_path / "draft"
