@@ -3,8 +3,8 @@
 //
 // Why C: through MLX a head pass is dozens of small ops dispatched one by one from Python, over float32
 // weights the target's step has evicted from the caches; here the weights are int8 rows (a quarter of the
-// bytes; or float16),
-// a pass is a handful of loops and no Python runs between passes (the MTP assistant's reasons, mtp.c).
+// bytes), a pass is a handful of loops and no Python runs between passes (the MTP assistant's reasons,
+// mtp.c).
 //
 // Same arithmetic as Eagle3Head.__call__ up to float rounding: fc over the target's fused features, RMSNorm
 // of the embedding and of the hidden, their concatenation through q/k/v, RoPE (split halves), K and V into
@@ -36,7 +36,7 @@ typedef struct {
 // and V are written before any row attends, so a request's rows see each other causally. Rows with
 // last[i] set also get their draft-vocabulary argmax in best[i]. Returns 0, or -1 (no memory).
 static int e3_pass(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *tok, float *hid, const float *embed,
-                   const int32_t *pos, const int32_t *req, const uint8_t *last, int32_t *best) {
+                   const int32_t *pos, const int32_t *req, const uint8_t *last, int32_t *best, int threads) {
     const int d = a->hidden, hd = a->head_dim, qd = a->heads * hd, kvd = a->kv_heads * hd;
     int max_pos = 1, picked = 0;
     for (int r = 0; r < n; r++) {
@@ -57,9 +57,9 @@ static int e3_pass(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *tok,
         rms_norm(embed + (size_t)tok[r] * d, a->ln_in, d, a->eps, xr);
         rms_norm(hid + (size_t)r * d, a->ln_hidden, d, a->eps, xr + d);
     }
-    gemv(a->q, qd, 2 * d, x, n, q);
-    gemv(a->k, kvd, 2 * d, x, n, k);
-    gemv(a->v, kvd, 2 * d, x, n, v);
+    gemv(a->q, qd, 2 * d, x, n, q, threads);
+    gemv(a->k, kvd, 2 * d, x, n, k, threads);
+    gemv(a->v, kvd, 2 * d, x, n, v, threads);
     for (int r = 0; r < n; r++) {
         for (int h = 0; h < a->heads; h++) rope(q + (size_t)r * qd + (size_t)h * hd, hd, pos[r], a->rope_base);
         const size_t s = kv_slot(kv->tables + (size_t)req[r] * kv->table_len, kv->block_size, pos[r]);
@@ -75,23 +75,23 @@ static int e3_pass(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *tok,
         attend(a->heads, a->kv_heads, hd, q + (size_t)r * qd, pos[r] + 1,
                kv->tables + (size_t)req[r] * kv->table_len, kv->block_size, kv->kc, kv->vc, kv->slots,
                att + (size_t)r * qd, scores);
-    gemv(a->o, d, qd, att, n, u);
+    gemv(a->o, d, qd, att, n, u, threads);
     for (int r = 0; r < n; r++) {  // hid = (normed or raw hidden) + attention
         float *hr = hid + (size_t)r * d;
         const float *base = a->norm_before_residual ? x + (size_t)r * 2 * d + d : hr;
         for (int i = 0; i < d; i++) hr[i] = base[i] + u[(size_t)r * d + i];
         rms_norm(hr, a->ln_post, d, a->eps, t + (size_t)r * d);
     }
-    gemv(a->gate, a->inter, d, t, n, g);
-    gemv(a->up, a->inter, d, t, n, up);
+    gemv(a->gate, a->inter, d, t, n, g, threads);
+    gemv(a->up, a->inter, d, t, n, up, threads);
     for (size_t i = 0; i < (size_t)n * a->inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * up[i];
-    gemv(a->down, d, a->inter, g, n, u);
+    gemv(a->down, d, a->inter, g, n, u, threads);
     for (size_t i = 0; i < (size_t)n * d; i++) hid[i] += u[i];
     if (picked) {
         int m = 0;
         for (int r = 0; r < n; r++)
             if (last[r]) rms_norm(hid + (size_t)r * d, a->ln_final, d, a->eps, sel + (size_t)(m++) * d);
-        gemv(a->head, a->vocab, d, sel, picked, logits);
+        gemv(a->head, a->vocab, d, sel, picked, logits, threads);
         m = 0;
         for (int r = 0; r < n; r++)
             if (last[r]) best[r] = argmax_f32(logits + (size_t)(m++) * a->vocab, a->vocab);
@@ -102,8 +102,8 @@ static int e3_pass(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *tok,
 
 // One weight product as the passes run it (tests/kernels/isa_harness.c checks its rows across ISAs and
 // thread blocks).
-int eagle3_gemv(const HeadMat *m, int out, int in, const float *x, int n, float *y) {
-    gemv(*m, out, in, x, n, y);
+int eagle3_gemv(const HeadMat *m, int out, int in, const float *x, int n, float *y, int threads) {
+    gemv(*m, out, in, x, n, y, threads);
     return 0;
 }
 
@@ -112,10 +112,11 @@ int eagle3_gemv(const HeadMat *m, int out, int in, const float *x, int n, float 
 // ([rows, 3 * target_hidden], in request order); its first draft comes from its last catch-up row, draft
 // j > 0 from draft j - 1 at the next position, until want[r] drafts (0: the catch-up rows only). embed:
 // the [vocab, hidden] float32 token embedding; ids: the target id of each draft-vocabulary row. Out:
-// drafts [n, max_k] (the first want[r] of row r). The tables must hold every slot a draft writes. Returns 0, or -1 (no memory).
+// drafts [n, max_k] (the first want[r] of row r). The tables must hold every slot a draft writes; threads:
+// the most a product of many rows may use. Returns 0, or -1 (no memory).
 int eagle3_draft(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *counts, const int32_t *tokens,
                  const float *feats, const float *embed, const int32_t *ids, const int32_t *first,
-                 const int32_t *want, int max_k, int32_t *drafts) {
+                 const int32_t *want, int max_k, int32_t *drafts, int threads) {
     const int d = a->hidden;
     int rows = 0;
     for (int r = 0; r < n; r++) rows += counts[r];
@@ -129,7 +130,7 @@ int eagle3_draft(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *counts
     }
     int32_t *pos = ints, *req = pos + cap, *best = req + cap, *tok = best + cap;
     uint8_t *last = (uint8_t *)(tok + cap);
-    gemv(a->fc, d, 3 * a->target_hidden, feats, rows, hid);
+    gemv(a->fc, d, 3 * a->target_hidden, feats, rows, hid, threads);
     for (int r = 0, i = 0; r < n; r++)
         for (int c = 0; c < counts[r]; c++, i++) {
             pos[i] = first[r] + c;
@@ -137,7 +138,7 @@ int eagle3_draft(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *counts
             last[i] = c + 1 == counts[r] && want[r] > 0;
             tok[i] = tokens[i];
         }
-    int rc = e3_pass(a, kv, rows, tok, hid, embed, pos, req, last, best);
+    int rc = e3_pass(a, kv, rows, tok, hid, embed, pos, req, last, best, threads);
     // Keep each request's last row (its hidden) at index r; rows then stay in request order.
     for (int r = 0, i = 0; r < n && !rc; r++) {
         i += counts[r];
@@ -159,7 +160,7 @@ int eagle3_draft(const Eagle3 *a, const HeadKV *kv, int n, const int32_t *counts
         }
         if (!live) break;
         cur = live;
-        rc = e3_pass(a, kv, live, tok, hid, embed, pos, req, last, best);
+        rc = e3_pass(a, kv, live, tok, hid, embed, pos, req, last, best, threads);
         for (int i = 0; i < live && !rc; i++) drafts[(size_t)req[i] * max_k + j] = ids[best[i]];
     }
     free(hid);

@@ -12,6 +12,7 @@ import numpy as np
 from engine.cpu.build import build_kernel
 from engine.cpu.host import pointer
 from engine.cpu.mtp import draft_loop_reason, embedding_table
+from engine.cpu.threads import cpu_threads
 from engine.models.eagle3 import LoadedEagle3
 
 SOURCE = Path(__file__).with_name("eagle3.c")
@@ -137,7 +138,7 @@ class CpuEagle3:
         rc = self.lib.eagle3_draft(
             ctypes.byref(self.spec), ctypes.byref(kv), ctypes.c_int(n), pointer(cnt), pointer(toks),
             pointer(x), pointer(self.embed), pointer(self.ids), pointer(fst), pointer(wanted),
-            ctypes.c_int(max_k), pointer(out))
+            ctypes.c_int(max_k), pointer(out), ctypes.c_int(cpu_threads().count()))
         if rc != 0:
             raise MemoryError("eagle3_draft could not allocate its scratch memory")
         return [row[:w] for row, w in zip(out.tolist(), want, strict=True)]

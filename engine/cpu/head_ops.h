@@ -29,12 +29,13 @@ SS_INLINE float mat_at(const void *row, int k, int i8) {
 // a time so each weight vector is converted once per four rows, and in blocks that stay in L2 while the
 // weights stream past once per block (a prompt's catch-up carries hundreds of rows: streaming the rows once
 // per weight row instead read them from memory out times). Sixteen rows or more split into blocks across
-// the threads; fewer take one thread (splitting a few rows' outputs between two cores was slower).
+// `threads` (the engine's thread policy); fewer take one thread (splitting a few rows' outputs between two
+// cores was slower).
 SS_INLINE void gemv_body(const void *w, const float *scale, int i8, int out, int in, const float *x, int n,
-                         float *y) {
+                         float *y, int threads) {
     const int full = in & ~15;
     const size_t esize = i8 ? 1 : 2;
-    const int nth = n >= 16 ? omp_get_max_threads() : 1, even = ((n + nth - 1) / nth + 3) & ~3;
+    const int nth = n >= 16 && threads > 1 ? threads : 1, even = ((n + nth - 1) / nth + 3) & ~3;
     int block = (int)((192u << 10) / (sizeof(float) * (size_t)in)) & ~3;
     block = even < block ? even : block;
     block = block < 4 ? 4 : block;
@@ -75,17 +76,14 @@ SS_INLINE void gemv_body(const void *w, const float *scale, int i8, int out, int
     }
 }
 
+// One thread (mtp.c: its passes carry one row per drafting request).
 static void gemv_f16(const uint16_t *w, int out, int in, const float *x, int n, float *y) {
-    gemv_body(w, NULL, 0, out, in, x, n, y);
+    gemv_body(w, NULL, 0, out, in, x, n, y, 1);
 }
 
-static void gemv_i8(const int8_t *w, const float *scale, int out, int in, const float *x, int n, float *y) {
-    gemv_body(w, scale, 1, out, in, x, n, y);
-}
-
-static void gemv(HeadMat m, int out, int in, const float *x, int n, float *y) {
-    if (m.scale) gemv_i8((const int8_t *)m.w, m.scale, out, in, x, n, y);
-    else gemv_f16((const uint16_t *)m.w, out, in, x, n, y);
+static void gemv(HeadMat m, int out, int in, const float *x, int n, float *y, int threads) {
+    if (m.scale) gemv_body(m.w, m.scale, 1, out, in, x, n, y, threads);
+    else gemv_body(m.w, NULL, 0, out, in, x, n, y, threads);
 }
 
 static void rms_norm(const float *x, const float *g, int d, float eps, float *y) {

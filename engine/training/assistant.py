@@ -345,15 +345,9 @@ def _scored_labels(feats: list[Features]) -> Counter[int]:
     return Counter(t for f in feats for t in int_list(f["labels"][max(1, int(f["start"])):]))
 
 
-def _head_vocabulary(feats: list[Features], head_size: int) -> list[int]:
-    """The `head_size` most frequent scored labels."""
-    return [t for t, _ in _scored_labels(feats).most_common(head_size)]
-
-
-def _label_coverage(feats: list[Features], head_ids: list[int]) -> float:
-    """The share of the scored labels `head_ids` covers."""
-    counts = _scored_labels(feats)
-    return sum(counts[t] for t in set(head_ids)) / max(1, sum(counts.values()))
+def share_covered(counts: Counter[int], ids: list[int]) -> float:
+    """The share of the counted tokens that `ids` holds (a reduced vocabulary's coverage)."""
+    return sum(counts[t] for t in set(ids)) / max(1, sum(counts.values()))
 
 
 def _net_and_optimizer(target: LoadedModel, out: Path, head_ids: list[int], layer: int,
@@ -439,10 +433,11 @@ def train_assistant(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT
     mx.random.seed(s.seed)
     layer = len(target.model.layers) - 1
     seqs, held, feats = _training_features(target, out, prompts_path, s, layer, progress)
-    head_ids = _head_vocabulary(feats, s.head_size)
+    labels = _scored_labels(feats)
+    head_ids = [t for t, _ in labels.most_common(s.head_size)]
     net, opt, start = _net_and_optimizer(target, out, head_ids, layer, s)
     head_ids = int_list(net.vocab_ids)  # a resumed or --init assistant keeps its own head vocabulary
-    coverage = _label_coverage(feats, head_ids)
+    coverage = share_covered(labels, head_ids)
     teacher = _Teacher(target.model.model.embed_tokens, {t: i for i, t in enumerate(head_ids)},
                        head_rows(target, mx.array(head_ids, dtype=mx.int32)),
                        getattr(target.model.args, "final_logit_softcapping", None))

@@ -55,6 +55,7 @@ from engine.training.assistant import (
     restore_optimizer,
     run_cli,
     save_optimizer,
+    share_covered,
     strongest_neurons,
 )
 from specserve_configs import shipped
@@ -133,12 +134,6 @@ def _answer_counts(feats: list[SeqFeatures]) -> Counter[int]:
     return Counter(t for f in feats for t in int_list(f["tokens"][f["start"]:]))
 
 
-def vocab_coverage(feats: list[SeqFeatures], vocab_ids: list[int]) -> float:
-    """The share of the answer tokens that `vocab_ids` holds."""
-    counts = _answer_counts(feats)
-    return sum(counts[t] for t in set(vocab_ids)) / max(1, sum(counts.values()))
-
-
 def draft_vocabulary(feats: list[SeqFeatures], size: int, vocab: int) -> tuple[list[int], float]:
     """The `size` most frequent answer tokens (ties: the lower id; padded with the lowest unused ids),
     ascending as d2t wants them, and the share of answer tokens they cover."""
@@ -147,7 +142,7 @@ def draft_vocabulary(feats: list[SeqFeatures], size: int, vocab: int) -> tuple[l
     chosen = sorted(counts, key=lambda t: (-counts[t], t))[:size]
     taken = set(chosen)
     chosen += [t for t in range(vocab) if t not in taken][: size - len(chosen)]
-    return sorted(chosen), vocab_coverage(feats, chosen)
+    return sorted(chosen), share_covered(counts, chosen)
 
 
 def output_rows(target: LoadedModel, ids: list[int]) -> mx.array:
@@ -255,15 +250,14 @@ def load_head(target: LoadedModel, folder: Path) -> tuple[Eagle3Head, list[int]]
     return head, vocab
 
 
-def narrowed_head(target: LoadedModel, folder: Path, feats: list[SeqFeatures], draft_vocab_size: int,
+def narrowed_head(target: LoadedModel, folder: Path, counts: Counter[int], draft_vocab_size: int,
                   intermediate_size: int | None) -> tuple[Eagle3Head, list[int], dict[str, Any]]:
     """A trained head to train on: its vocabulary cut to the `draft_vocab_size` tokens most frequent in
-    `feats`' answers (lm_head holds the target's rows, so the kept rows score as before), its MLP cut to the
-    `intermediate_size` neurons of largest |gate| * |up| * |down| norms; neither ever grows."""
+    `counts` (the new answers'; lm_head holds the target's rows, so the kept rows score as before), its MLP
+    cut to the `intermediate_size` neurons of largest |gate| * |up| * |down| norms; neither ever grows."""
     old, vocab = load_head(target, folder)
     config = json.loads((folder / "config.json").read_text())
     if draft_vocab_size < len(vocab):
-        counts = _answer_counts(feats)
         vocab = sorted(sorted(vocab, key=lambda t: (-counts[t], t))[:draft_vocab_size])
         config["draft_vocab_size"] = len(vocab)
     params = dict(tree_flatten(old.trainable_parameters()))
@@ -498,9 +492,10 @@ def _head_and_optimizer(target: LoadedModel, out: Path, train: list[SeqFeatures]
         restore_optimizer(ck, opt, head.trainable_parameters())
         return head, vocab, opt, {**state, "config": json.loads((ck / "config.json").read_text())}
     if s.init is not None:
-        head, vocab, config = narrowed_head(target, s.init, train, s.draft_vocab_size, s.intermediate_size)
+        counts = _answer_counts(train)
+        head, vocab, config = narrowed_head(target, s.init, counts, s.draft_vocab_size, s.intermediate_size)
         (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        return head, vocab, opt, {"step": 0, "coverage": vocab_coverage(train, vocab), "config": config}
+        return head, vocab, opt, {"step": 0, "coverage": share_covered(counts, vocab), "config": config}
     vocab, coverage = draft_vocabulary(train, s.draft_vocab_size, target.vocab_size)
     config = head_config(target, len(vocab), aux, s.ttt_steps, s.intermediate_size)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -519,8 +514,8 @@ def train_eagle3(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PR
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(s.seed)
     aux = tuple(sorted(s.aux_layer_ids or default_aux_layers(len(target.model.layers))))
-    if s.init is not None and read_config(s.init).aux_layer_ids != aux:  # before the data is made
-        raise ValueError(f"{s.init} reads aux layers {read_config(s.init).aux_layer_ids}, not {aux}")
+    if s.init is not None and (got := read_config(s.init).aux_layer_ids) != aux:  # before data is made
+        raise ValueError(f"{s.init} reads aux layers {got}, not {aux}")
     adapter.aux_order(aux, len(target.model.layers))  # refuses repeated or out-of-range ids
     train, held = _data(target, out, prompts_path, heldout_path, s, aux, progress)
     head, vocab, opt, state = _head_and_optimizer(target, out, train, s, aux, resume)

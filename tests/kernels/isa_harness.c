@@ -10,10 +10,10 @@
 int mtp_step(const void *a, int n, const int32_t *tokens, float *hidden, const float *embed, float embed_scale,
              const int32_t *pos, const int32_t *tables, int table_len, int block_size, const float *kc,
              const float *vc, long slots, float *logits, float *next_hidden);
-int eagle3_gemv(const void *m, int out, int in, const float *x, int n, float *y);
+int eagle3_gemv(const void *m, int out, int in, const float *x, int n, float *y, int threads);
 int eagle3_draft(const void *a, const void *kv, int n, const int32_t *counts, const int32_t *tokens,
                  const float *feats, const float *embed, const int32_t *ids, const int32_t *first,
-                 const int32_t *want, int max_k, int32_t *drafts);
+                 const int32_t *want, int max_k, int32_t *drafts, int threads);
 void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc);
 int small_gemm_init(void *blas_sgemm, int want_max_m);
@@ -304,7 +304,7 @@ static void eagle3_cases(void) {
     for (int i = 0; i < vd; i++) ids[i] = (i * 7) % vocab;
     const int32_t counts[2] = {3, 1}, tokens[4] = {5, 77, 3, 90}, first[2] = {14, 20}, want[2] = {2, 3};
     int32_t drafts[6] = {0};
-    eagle3_draft(&a, &kv, 2, counts, tokens, feats, embed, ids, first, want, 3, drafts);
+    eagle3_draft(&a, &kv, 2, counts, tokens, feats, embed, ids, first, want, 3, drafts, 2);
     record("eagle3/drafts", drafts, sizeof(drafts));
     float written[2][7 * 16];  // the slots the passes wrote: positions 14..17 and 20..22 (one KV head)
     for (int i = 0; i < 7; i++) {
@@ -328,10 +328,10 @@ static void head_gemv_cases(void) {
     float *full = malloc(sizeof(float) * n * out), *part = malloc(sizeof(float) * n * out);
     for (int i8 = 0; i8 < 2; i8++) {
         const HMat m = {i8 ? (const void *)wq : (const void *)wh, i8 ? scale : NULL};
-        eagle3_gemv(&m, out, in, x, n, full);
+        eagle3_gemv(&m, out, in, x, n, full, 2);
         record(i8 ? "head_gemv/i8" : "head_gemv/f16", full, sizeof(float) * n * out);
         for (int rows = 1; rows < n; rows = rows < 20 ? rows + 1 : rows + 7) {
-            eagle3_gemv(&m, out, in, x, rows, part);
+            eagle3_gemv(&m, out, in, x, rows, part, rows % 2 ? 1 : 2);  // one thread or two
             check_rows(i8 ? "head gemv i8" : "head gemv f16", full, part, rows, out);
         }
     }

@@ -185,8 +185,8 @@ def test_narrowed_head_keeps_the_frequent_tokens_and_strongest_neurons(trained: 
     target, out, _ = trained
     old, vocab = load_head(target, out)
     feats = sequence_features(target, [list(range(100, 140))], AUX, [4])
-    head, cut, config = narrowed_head(target, out, feats, 32, None)
     counts = Counter(int_list(feats[0]["tokens"][4:]))
+    head, cut, config = narrowed_head(target, out, counts, 32, None)
     assert len(cut) == 32 and cut == sorted(cut) and set(cut) <= set(vocab)
     assert {t for t in counts if t in set(vocab)} <= set(cut)  # every answer token the head held
     assert config["draft_vocab_size"] == 32 and head.cfg.draft_vocab_size == 32
@@ -194,7 +194,7 @@ def test_narrowed_head_keeps_the_frequent_tokens_and_strongest_neurons(trained: 
     assert mx.array_equal(head.lm_head.weight, output_rows(target, cut)).item()
     rows = mx.array([vocab.index(t) for t in cut])
     np.testing.assert_allclose(np.array(head.lm_head.weight), np.array(old.lm_head.weight[rows]), atol=2e-3)
-    narrow, same, config = narrowed_head(target, out, feats, 10**6, 8)
+    narrow, same, config = narrowed_head(target, out, counts, 10**6, 8)
     assert same == vocab and config["transformer_layer_config"]["intermediate_size"] == 8
     g, u, d = old.gate_proj.weight, old.up_proj.weight, old.down_proj.weight
     score = np.array(mx.linalg.norm(g, axis=1) * mx.linalg.norm(u, axis=1) * mx.linalg.norm(d, axis=0))
