@@ -42,35 +42,61 @@ SS_INLINE void gemv_body(const void *w, const float *scale, int i8, int out, int
     const int blocks = (n + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1)
     for (int b = 0; b < blocks; b++) {
-        const int r0 = b * block, r1 = r0 + block < n ? r0 + block : n;
-        for (int j = 0; j < out; j++) {
-            const void *row = (const char *)w + (size_t)j * in * esize;
-            const float sc = i8 ? scale[j] : 1.0f;
-            int r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                const float *x0 = x + (size_t)r * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
-                vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-                for (int k = 0; k < full; k += 16) {
-                    const vf wk = mat_load(row, k, i8);
-                    a0 = vfma(wk, vload(x0 + k), a0);
-                    a1 = vfma(wk, vload(x1 + k), a1);
-                    a2 = vfma(wk, vload(x2 + k), a2);
-                    a3 = vfma(wk, vload(x3 + k), a3);
-                }
-                float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
-                for (int i = 0; i < 4; i++) {
-                    const float *xr = x0 + (size_t)i * in;
-                    for (int k = full; k < in; k++) s[i] += mat_at(row, k, i8) * xr[k];
-                    y[(size_t)(r + i) * out + j] = i8 ? s[i] * sc : s[i];
+        const int r0 = b * block, r1 = r0 + block < n ? r0 + block : n, r4 = r0 + ((r1 - r0) & ~3);
+        for (int j0 = 0; j0 < out; j0 += 4) {
+            const int j1 = j0 + 4 < out ? j0 + 4 : out;
+            for (int j = j0; j < j1; j++) {
+                const void *row = (const char *)w + (size_t)j * in * esize;
+                const float sc = i8 ? scale[j] : 1.0f;
+                for (int r = r0; r < r4; r += 4) {
+                    const float *x0 = x + (size_t)r * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+                    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+                    for (int k = 0; k < full; k += 16) {
+                        const vf wk = mat_load(row, k, i8);
+                        a0 = vfma(wk, vload(x0 + k), a0);
+                        a1 = vfma(wk, vload(x1 + k), a1);
+                        a2 = vfma(wk, vload(x2 + k), a2);
+                        a3 = vfma(wk, vload(x3 + k), a3);
+                    }
+                    float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
+                    for (int i = 0; i < 4; i++) {
+                        const float *xr = x0 + (size_t)i * in;
+                        for (int k = full; k < in; k++) s[i] += mat_at(row, k, i8) * xr[k];
+                        y[(size_t)(r + i) * out + j] = i8 ? s[i] * sc : s[i];
+                    }
                 }
             }
-            for (; r < r1; r++) {
+            // Rows left over (a draft's single row) take four weight rows at once: four independent FMA
+            // chains where one chain's latency bounded the pass; each output's operations are unchanged.
+            for (int r = r4; r < r1; r++) {
                 const float *xr = x + (size_t)r * in;
-                vf acc = vzero();
-                for (int k = 0; k < full; k += 16) acc = vfma(mat_load(row, k, i8), vload(xr + k), acc);
-                float s = vhsum(acc);
-                for (int k = full; k < in; k++) s += mat_at(row, k, i8) * xr[k];
-                y[(size_t)r * out + j] = i8 ? s * sc : s;
+                if (j1 - j0 == 4) {
+                    const char *w0 = (const char *)w + (size_t)j0 * in * esize, *w1 = w0 + (size_t)in * esize,
+                               *w2 = w1 + (size_t)in * esize, *w3 = w2 + (size_t)in * esize;
+                    vf c0 = vzero(), c1 = vzero(), c2 = vzero(), c3 = vzero();
+                    for (int k = 0; k < full; k += 16) {
+                        const vf xk = vload(xr + k);
+                        c0 = vfma(mat_load(w0, k, i8), xk, c0);
+                        c1 = vfma(mat_load(w1, k, i8), xk, c1);
+                        c2 = vfma(mat_load(w2, k, i8), xk, c2);
+                        c3 = vfma(mat_load(w3, k, i8), xk, c3);
+                    }
+                    float s[4] = {vhsum(c0), vhsum(c1), vhsum(c2), vhsum(c3)};
+                    const char *rows[4] = {w0, w1, w2, w3};
+                    for (int i = 0; i < 4; i++) {
+                        for (int k = full; k < in; k++) s[i] += mat_at(rows[i], k, i8) * xr[k];
+                        y[(size_t)r * out + j0 + i] = i8 ? s[i] * scale[j0 + i] : s[i];
+                    }
+                    continue;
+                }
+                for (int j = j0; j < j1; j++) {
+                    const void *row = (const char *)w + (size_t)j * in * esize;
+                    vf acc = vzero();
+                    for (int k = 0; k < full; k += 16) acc = vfma(mat_load(row, k, i8), vload(xr + k), acc);
+                    float s = vhsum(acc);
+                    for (int k = full; k < in; k++) s += mat_at(row, k, i8) * xr[k];
+                    y[(size_t)r * out + j] = i8 ? s * scale[j] : s;
+                }
             }
         }
     }

@@ -61,6 +61,9 @@ class TrainSettings:
     # Train on answer positions only (held-out top-1 always is): opt-in, it did not raise acceptance.
     answer_only: bool = False
     init: Path | None = None  # start from this trained assistant (its head vocabulary), fresh optimizer
+    # Linear warm-up steps before the cosine decay (None: 100 with `init`, whose trained weights Adam's
+    # first full-rate steps would scramble; 0 for a fresh assistant).
+    warmup: int | None = None
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -363,11 +366,21 @@ def _net_and_optimizer(target: LoadedModel, out: Path, head_ids: list[int], laye
         net = load_trained(s.init, json.loads((s.init / "config.json").read_text()), mx.float32)
     else:
         net = init_from_target(target, head_ids, layer, s.intermediate_size)
-    sched = optim.cosine_decay(s.lr, max(1, s.steps), end=s.lr * 0.05)
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
+    warm = s.warmup if s.warmup is not None else (100 if s.init is not None else 0)
+    opt = optim.AdamW(learning_rate=warmup_cosine(s.lr, s.steps, warm), weight_decay=0.0)
     if start:
         restore_optimizer(ck, opt, net.trainable_parameters())
     return net, opt, start
+
+
+def warmup_cosine(lr: float, steps: int, warmup: int) -> Callable[[mx.array], mx.array]:
+    """The learning rate: linear warm-up over `warmup` steps (at most a tenth of `steps`), then cosine decay
+    to 5% of `lr` by `steps`."""
+    warm = min(warmup, max(1, steps // 10)) if warmup > 0 else 0
+    cosine = optim.cosine_decay(lr, max(1, steps - warm), end=lr * 0.05)
+    if not warm:
+        return cosine
+    return optim.join_schedules([optim.linear_schedule(lr / warm, lr, warm), cosine], [warm])
 
 
 @dataclass

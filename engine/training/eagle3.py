@@ -57,6 +57,7 @@ from engine.training.assistant import (
     save_optimizer,
     share_covered,
     strongest_neurons,
+    warmup_cosine,
 )
 from specserve_configs import shipped
 
@@ -163,11 +164,14 @@ def head_config(target: LoadedModel, draft_vocab: int, aux: tuple[int, ...], k: 
     """config.json in the speculators layout: the layer shaped as the target's own (speculators copies the
     verifier's config), residual from the normed hidden (speculators' and vLLM's default)."""
     t, args = target.config, target.model.args
+    if intermediate_size is not None and intermediate_size < 1:
+        raise ValueError(f"intermediate_size must be >= 1, not {intermediate_size}")
     n_kv, head_dim = adapter.kv_shape(target.model)
     h = int(args.hidden_size)
+    inter = int(args.intermediate_size) if intermediate_size is None else intermediate_size
     layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
              "num_attention_heads": int(args.num_attention_heads), "num_key_value_heads": n_kv,
-             "head_dim": head_dim, "intermediate_size": intermediate_size or int(args.intermediate_size),
+             "head_dim": head_dim, "intermediate_size": inter,
              "rms_norm_eps": float(args.rms_norm_eps),
              "rope_theta": float(getattr(args, "rope_theta", 10000.0)),
              "rope_scaling": t.get("rope_scaling"), "max_position_embeddings": target.max_position_embeddings,
@@ -419,10 +423,7 @@ def agreement(head: Eagle3Head, feats: list[SeqFeatures], teacher: Teacher,
 
 
 def _optimizer(s: Eagle3Settings) -> optim.Optimizer:
-    warm = min(s.warmup, max(1, s.steps // 10))
-    sched = optim.join_schedules([optim.linear_schedule(s.lr / warm, s.lr, warm),
-                                  optim.cosine_decay(s.lr, max(1, s.steps - warm), end=s.lr * 0.05)], [warm])
-    return optim.AdamW(learning_rate=sched, weight_decay=0.0)
+    return optim.AdamW(learning_rate=warmup_cosine(s.lr, s.steps, s.warmup), weight_decay=0.0)
 
 
 def _train_steps(head: Eagle3Head, opt: optim.Optimizer, start: int, feats: list[SeqFeatures],
@@ -514,6 +515,8 @@ def train_eagle3(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PR
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(s.seed)
     aux = tuple(sorted(s.aux_layer_ids or default_aux_layers(len(target.model.layers))))
+    if len(aux) != 3:  # EAGLE-3's fused feature: low, middle and high
+        raise ValueError(f"an EAGLE-3 head reads 3 aux layers, not {list(aux)}")
     if s.init is not None and (got := read_config(s.init).aux_layer_ids) != aux:  # before data is made
         raise ValueError(f"{s.init} reads aux layers {got}, not {aux}")
     adapter.aux_order(aux, len(target.model.layers))  # refuses repeated or out-of-range ids
@@ -576,6 +579,12 @@ def settings_from_args(args: argparse.Namespace) -> Eagle3Settings:
                 "ttt_steps", "seed", "intermediate_size")
     if "max_sequences" in got:
         got["max_sequences"] = got["max_sequences"] or None
+    if getattr(args, "aux_layers", None):
+        try:
+            got["aux_layer_ids"] = tuple(sorted(int(x) for x in args.aux_layers.split(",")))
+        except ValueError:
+            raise ValueError(f"--aux-layers takes comma-separated layer ids, not {args.aux_layers!r}") \
+                from None
     return Eagle3Settings(**got, init=Path(args.init) if args.init else None)
 
 

@@ -56,6 +56,9 @@ def add_parsers(sub: Any) -> None:
     eagle.add_argument("--intermediate-size", type=int,
                        help="the head's MLP width (default: the target's; with --init, its strongest neurons "
                             "are kept)")
+    eagle.add_argument("--aux-layers", default=None,
+                       help="the 3 target layers whose inputs the head reads, e.g. 2,15,27 (default: "
+                            "(2, L // 2, L - 3) for L layers, as vLLM and speculators)")
     eagle.add_argument("--resume", action="store_true", help="continue OUT/checkpoint")
     _init(eagle, "head")
     draft = sub.add_parser("train-draft", help="distil a small draft model for MODEL (method: draft_model)",

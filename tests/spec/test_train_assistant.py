@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams
 from engine.training.assistant import (
     TrainSettings,
     _batch,
+    _net_and_optimizer,
     agreement,
     chat_length,
     given,
@@ -81,6 +82,13 @@ def test_train_resume_and_serve(tmp_path: Path) -> None:
     assert set(was) == set(now)
     for name in was:
         assert mx.array_equal(was[name], now[name]).item(), name
+    # From --init the rate warms up (full-rate first Adam steps scramble a trained assistant); a fresh
+    # assistant starts at the full rate, as before.
+    layer = len(target.model.layers) - 1
+    s = replace(_settings(1000), init=out)
+    assert _net_and_optimizer(target, again, [1, 2], layer, s)[1].learning_rate.item() < s.lr / 50
+    fresh = _net_and_optimizer(target, tmp_path / "fresh", [1, 2], layer, _settings(1000))[1]
+    assert fresh.learning_rate.item() == pytest.approx(s.lr)
 
     assistant = load_assistant(str(out), target)
     assert assistant.target_layers == [len(target.model.layers) - 1]

@@ -57,6 +57,22 @@ def _settings(steps: int = STEPS) -> Eagle3Settings:
                           batch_size=4, lr=3e-3, warmup=2, save_every=10, eval_every=10, max_num_seqs=16)
 
 
+def test_head_config_takes_the_width_given_and_refuses_zero(tiny: tuple[LoadedModel, Path],
+                                                           tmp_path: Path) -> None:
+    """A fresh head's MLP width: the target's when none is given, the one given, and 0 refused (it once
+    meant the target's width, silently); aux layers other than three are refused before any data is made."""
+    target, root = tiny
+    with pytest.raises(ValueError, match="reads 3 aux layers"):
+        train_eagle3(target, tmp_path / "two", root / "none.jsonl", None,
+                     replace(_settings(), aux_layer_ids=(2, 4)), progress=False)
+    assert not (tmp_path / "two" / "data").exists()
+    width = int(target.model.args.intermediate_size)
+    assert head_config(target, 32, AUX, 3)["transformer_layer_config"]["intermediate_size"] == width
+    assert head_config(target, 32, AUX, 3, 8)["transformer_layer_config"]["intermediate_size"] == 8
+    with pytest.raises(ValueError, match="intermediate_size must be >= 1"):
+        head_config(target, 32, AUX, 3, 0)
+
+
 def _prompts(path: Path, n: int, seed: int) -> Path:
     rng = random.Random(seed)
     path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(6))}) + "\n"
@@ -306,12 +322,17 @@ def test_cli_parses_runs_and_lists_its_flags(tiny: tuple[LoadedModel, Path], tmp
                               "64", "--ttt-steps", "5", "--lr", "1e-3", "--resume"])
     s = settings_from_args(args)
     assert (s.max_sequences, s.draft_vocab_size, s.ttt_steps, s.lr, args.resume) == (None, 64, 5, 1e-3, True)
+    assert s.aux_layer_ids is None
+    s = settings_from_args(parser.parse_args(["train-eagle3", "--out", "d", "--aux-layers", "7,2,4"]))
+    assert s.aux_layer_ids == (2, 4, 7)
+    with pytest.raises(ValueError, match="--aux-layers takes comma-separated layer ids"):
+        settings_from_args(parser.parse_args(["train-eagle3", "--out", "d", "--aux-layers", "2;4;7"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["train-eagle3", "--help"])
     text = capsys.readouterr().out
     for flag in ("--model", "--out", "--prompts", "--heldout", "--max-sequences", "--max-new-tokens",
                  "--draft-vocab-size", "--steps", "--batch-size", "--lr", "--ttt-steps", "--seed",
-                 "--resume"):
+                 "--aux-layers", "--resume"):
         assert flag in text, flag
     _, root = tiny
     out = tmp_path / "cli"
