@@ -71,18 +71,17 @@ SS_INLINE void gemv_body(const void *w, const float *scale, int i8, int out, int
             for (int r = r4; r < r1; r++) {
                 const float *xr = x + (size_t)r * in;
                 if (j1 - j0 == 4) {
-                    const char *w0 = (const char *)w + (size_t)j0 * in * esize, *w1 = w0 + (size_t)in * esize,
-                               *w2 = w1 + (size_t)in * esize, *w3 = w2 + (size_t)in * esize;
+                    const char *rows[4];
+                    for (int i = 0; i < 4; i++) rows[i] = (const char *)w + (size_t)(j0 + i) * in * esize;
                     vf c0 = vzero(), c1 = vzero(), c2 = vzero(), c3 = vzero();
                     for (int k = 0; k < full; k += 16) {
                         const vf xk = vload(xr + k);
-                        c0 = vfma(mat_load(w0, k, i8), xk, c0);
-                        c1 = vfma(mat_load(w1, k, i8), xk, c1);
-                        c2 = vfma(mat_load(w2, k, i8), xk, c2);
-                        c3 = vfma(mat_load(w3, k, i8), xk, c3);
+                        c0 = vfma(mat_load(rows[0], k, i8), xk, c0);
+                        c1 = vfma(mat_load(rows[1], k, i8), xk, c1);
+                        c2 = vfma(mat_load(rows[2], k, i8), xk, c2);
+                        c3 = vfma(mat_load(rows[3], k, i8), xk, c3);
                     }
                     float s[4] = {vhsum(c0), vhsum(c1), vhsum(c2), vhsum(c3)};
-                    const char *rows[4] = {w0, w1, w2, w3};
                     for (int i = 0; i < 4; i++) {
                         for (int k = full; k < in; k++) s[i] += mat_at(rows[i], k, i8) * xr[k];
                         y[(size_t)r * out + j0 + i] = i8 ? s[i] * scale[j0 + i] : s[i];

@@ -65,6 +65,15 @@ class TrainSettings:
     # first full-rate steps would scramble; 0 for a fresh assistant).
     warmup: int | None = None
 
+    def __post_init__(self) -> None:  # a bad flag fails here, not after the features pass
+        check_width(self.intermediate_size)
+
+
+def check_width(intermediate_size: int | None) -> None:
+    """ValueError for an MLP width below 1 (None: the default width)."""
+    if intermediate_size is not None and intermediate_size < 1:
+        raise ValueError(f"intermediate_size must be >= 1, not {intermediate_size}")
+
 
 def read_prompts(path: Path) -> list[str]:
     out = []
@@ -189,8 +198,7 @@ def init_from_target(target: LoadedModel, head_ids: list[int], layer: int,
     gate, up, down = src.mlp.gate_proj.weight, src.mlp.up_proj.weight, src.mlp.down_proj.weight
     if intermediate_size is None:
         intermediate_size = max(1, inter // 6)
-    if intermediate_size < 1:
-        raise ValueError(f"intermediate_size must be >= 1, not {intermediate_size}")
+    check_width(intermediate_size)
     if intermediate_size > inter:
         raise ValueError(f"intermediate_size {intermediate_size} is wider than the target's MLP ({inter})")
     if intermediate_size < inter:

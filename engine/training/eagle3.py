@@ -48,6 +48,7 @@ from engine.training.assistant import (
     DEFAULT_PROMPTS,
     TrainSettings,
     chat_length,
+    check_width,
     epoch_order,
     generate_texts,
     given,
@@ -83,6 +84,11 @@ class Eagle3Settings:
     aux_layer_ids: tuple[int, ...] | None = None  # None: (2, L // 2, L - 3)
     intermediate_size: int | None = None  # the head's MLP width (None: the target's; with init: the init's)
     init: Path | None = None  # start from this trained head (its vocabulary and aux layers), fresh optimizer
+
+    def __post_init__(self) -> None:  # a bad flag fails here, not after the features pass
+        check_width(self.intermediate_size)
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:  # EAGLE-3: low, middle, high
+            raise ValueError(f"an EAGLE-3 head reads 3 aux layers, not {list(self.aux_layer_ids)}")
 
 
 class SeqFeatures(TypedDict):
@@ -164,8 +170,7 @@ def head_config(target: LoadedModel, draft_vocab: int, aux: tuple[int, ...], k: 
     """config.json in the speculators layout: the layer shaped as the target's own (speculators copies the
     verifier's config), residual from the normed hidden (speculators' and vLLM's default)."""
     t, args = target.config, target.model.args
-    if intermediate_size is not None and intermediate_size < 1:
-        raise ValueError(f"intermediate_size must be >= 1, not {intermediate_size}")
+    check_width(intermediate_size)
     n_kv, head_dim = adapter.kv_shape(target.model)
     h = int(args.hidden_size)
     inter = int(args.intermediate_size) if intermediate_size is None else intermediate_size
@@ -266,8 +271,7 @@ def narrowed_head(target: LoadedModel, folder: Path, counts: Counter[int], draft
         config["draft_vocab_size"] = len(vocab)
     params = dict(tree_flatten(old.trainable_parameters()))
     if intermediate_size is not None and intermediate_size < old.cfg.intermediate_size:
-        if intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be >= 1, not {intermediate_size}")
+        check_width(intermediate_size)
         cut = strongest_neurons(old.gate_proj.weight, old.up_proj.weight, old.down_proj.weight,
                                 intermediate_size)
         params.update(zip(("gate_proj.weight", "up_proj.weight", "down_proj.weight"), cut, strict=True))
@@ -515,8 +519,6 @@ def train_eagle3(target: LoadedModel, out: Path, prompts_path: Path = DEFAULT_PR
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(s.seed)
     aux = tuple(sorted(s.aux_layer_ids or default_aux_layers(len(target.model.layers))))
-    if len(aux) != 3:  # EAGLE-3's fused feature: low, middle and high
-        raise ValueError(f"an EAGLE-3 head reads 3 aux layers, not {list(aux)}")
     if s.init is not None and (got := read_config(s.init).aux_layer_ids) != aux:  # before data is made
         raise ValueError(f"{s.init} reads aux layers {got}, not {aux}")
     adapter.aux_order(aux, len(target.model.layers))  # refuses repeated or out-of-range ids

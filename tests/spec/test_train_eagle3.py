@@ -26,7 +26,7 @@ from engine.models.eagle3 import load_eagle3, read_config
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.spec.proposer import DraftRequest
-from engine.training.assistant import chat_length, read_prompts
+from engine.training.assistant import TrainSettings, chat_length, read_prompts
 from engine.training.eagle3 import (
     Eagle3Settings,
     Teacher,
@@ -71,6 +71,9 @@ def test_head_config_takes_the_width_given_and_refuses_zero(tiny: tuple[LoadedMo
     assert head_config(target, 32, AUX, 3, 8)["transformer_layer_config"]["intermediate_size"] == 8
     with pytest.raises(ValueError, match="intermediate_size must be >= 1"):
         head_config(target, 32, AUX, 3, 0)
+    for settings in (Eagle3Settings, TrainSettings):  # both trainers' flags, before any data is made
+        with pytest.raises(ValueError, match="intermediate_size must be >= 1"):
+            settings(intermediate_size=0)
 
 
 def _prompts(path: Path, n: int, seed: int) -> Path:
