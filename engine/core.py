@@ -18,7 +18,7 @@ from engine.kv.cache import PagedKVCache, head_major_default
 from engine.models import adapter
 from engine.models.eagle3 import LoadedEagle3
 from engine.models.loader import LoadedModel, load_model
-from engine.models.weights import set_activation_precision
+from engine.models.weights import set_activation_precision, uses_int8_activations
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -114,13 +114,14 @@ class EngineCore:
                     "head-major" if self.kv_cache.head_major else "block-major")
         int8 = set_activation_precision(model, config.activation_precision)
         logger.info("activation precision: %s%s",
-                    "int8 (4-bit products), float32 elsewhere" if int8 else "float32",
+                    "int8 (4-bit and GGML block products), float32 elsewhere" if int8 else "float32",
                     f" (auto: int8 on {', '.join(sorted(INT8_AUTO_ISAS))} kernels only)"
                     if config.activation_precision == "auto" and not int8 else "")
         stack: CpuLayerStack | None = None
         if self.tp is None:
             stack, why = build_stack(model, self.kv_cache, adapter.kv_layout(model).windows,
-                                     attention_fn is cpu_paged_attention, self.loaded.config, act_int8=int8)
+                                     attention_fn is cpu_paged_attention, self.loaded.config,
+                                     act_int8=uses_int8_activations(model))
         else:
             why = f"tensor parallel over {self.tp.size} ranks, all-sums between the layers"
         logger.info("weights: %s; layers: %s", self.loaded.precision,

@@ -182,11 +182,23 @@ def build_kernel(source: Path, name: str, isa: str | None = None, out_dir: Path 
     isa = isa or selected_isa()
     if isa is None:
         raise RuntimeError(f"no C kernels here: {isa_status()}")
-    here = Path(__file__).parent
-    text = source.read_text()
-    others = [p for p in [*here.glob("*.c"), *here.glob("*.h")] if p not in (source, here / "simd.h")]
-    includes = [here / "simd.h", *sorted(p for p in others if f'#include "{p.name}"' in text)]
-    return build_library(source, f"{name}-{isa}", isa_flags(isa), out_dir, includes=includes)
+    return build_library(source, f"{name}-{isa}", isa_flags(isa), out_dir, includes=included_files(source))
+
+
+def included_files(source: Path) -> list[Path]:
+    """simd.h and the kernel files `source` #includes, directly or through another (part of its version)."""
+    here = source.parent
+    files = [p for p in [*here.glob("*.c"), *here.glob("*.h")] if p != source]
+    found: set[Path] = set()
+    todo = [source]
+    while todo:
+        text = todo.pop().read_text()
+        for p in files:
+            if p not in found and f'#include "{p.name}"' in text:
+                found.add(p)
+                todo.append(p)
+    simd = here / "simd.h"
+    return [simd, *sorted(found - {simd})]
 
 
 def _cpu_fingerprint() -> str:

@@ -29,6 +29,10 @@ typedef struct {
     const float *q_norm, *k_norm;   // [head_dim] or NULL
     float *kc, *vc;                 // head-major caches [kv_heads, slots, head_dim]
     int window;                     // sliding window (0: none)
+    // gemma3: norms of the attention and MLP outputs before their residual adds (NULL: none), and the
+    // stack's second RoPE (local layers' base) in place of the first.
+    const float *ln_attn_out, *ln_mlp_out;
+    int rope2;
 } Layer;
 
 typedef struct {
@@ -39,25 +43,47 @@ typedef struct {
     const Layer *layers;
     const float *final_norm;        // [hidden] or NULL: the model's last RMSNorm, applied to h at the end
     int act_int8;                   // 4-bit products take 8-bit activations (qgemm_i8's arithmetic)
+    const float *inv_freq2;         // [head_dim / 2] or NULL: the RoPE of layers with rope2
+    float rope_scale2;
+    int gelu;                       // MLP: gelu_tanh(gate) * up (gemma) rather than silu(gate) * up
 } Stack;
 
 static int mat_weights(const Mat *m, Weights *W) {
     return weights_of(m->fmt, m->n, m->k, m->group, m->w, m->scales, m->biases, m->sdtype, W);
 }
 
-// This thread's share of y[T, n] = x @ W^T (+ bias): weight rows split as qgemm splits them, so every
-// element is computed as qgemm (or qgemm_i8) alone computes it. xp: x as the 4-bit kernels read it.
-static void matmul_share(const Mat *m, int T, const float *x, const Q4In *xp, float *y, float *buf, int nth,
-                         int tid, int *j0, int *j1) {
+// A Mat in one of GGML's block formats (blocks.h), its type id in fmt.
+static inline int mat_blocks(const Mat *m) { return gg_block_bytes(m->fmt) != 0; }
+
+// Whether a product reads these weights (-2 from layers_forward where not).
+static int mat_ok(const Mat *m, int act_int8) {
     Weights W;
-    mat_weights(m, &W);  // checked before the parallel region
+    GWeights G;
+    if (mat_blocks(m)) return !gweights_of(m->fmt, m->n, m->k, m->w, &G);
+    return !mat_weights(m, &W) && !(act_int8 && W.fmt == FMT_Q4 && !i8_serves(&W));
+}
+
+// This thread's share of y[T, n] = x @ W^T (+ bias): weight rows split as qgemm splits them, so every
+// element is computed as qgemm (qgemm_i8, qgemm_blocks) alone computes it. xp, xg: x as the 4-bit and the
+// block kernels read it.
+static void matmul_share(const Mat *m, int T, const float *x, const Q4In *xp, const GIn *xg, float *y, float *buf,
+                         int nth, int tid, int *j0, int *j1) {
     share(m->n, nth, tid, j0, j1);
     if (*j0 >= *j1) return;
-    if (m->fmt == FMT_Q4 && xp->q) {
-        const QAct X = q4in_act(xp);
-        run_i8(&W, T, *j0, *j1, &X, y, m->n);
+    if (mat_blocks(m)) {
+        GWeights G;
+        gweights_of(m->fmt, m->n, m->k, m->w, &G);  // checked before the parallel region
+        const GAct X = gin_act(xg);
+        run_blocks(&G, T, *j0, *j1, &X, y, m->n);
     } else {
-        run(&W, T, *j0, *j1, m->fmt == FMT_Q4 ? xp->xp : x, m->k, y, m->n, buf);
+        Weights W;
+        mat_weights(m, &W);  // checked before the parallel region
+        if (m->fmt == FMT_Q4 && xp->q) {
+            const QAct X = q4in_act(xp);
+            run_i8(&W, T, *j0, *j1, &X, y, m->n);
+        } else {
+            run(&W, T, *j0, *j1, m->fmt == FMT_Q4 ? xp->xp : x, m->k, y, m->n, buf);
+        }
     }
     if (m->bias)
         for (int t = 0; t < T; t++)
@@ -91,11 +117,22 @@ static void rope(float *v, int d, const float *cs, const float *sn, int traditio
     }
 }
 
-// g[j] = silu(g[j]) * u[j] for j in [j0, j1), 16 lanes at a time (vsilu_mul: the same bits everywhere).
-static void silu_mul_range(float *g, const float *u, int j0, int j1) {
+// g[j] = act(g[j]) * u[j] for j in [j0, j1), 16 lanes at a time, act silu or (gelu) GELU's tanh form
+// (vsilu_mul, vgelu_tanh_mul: the same bits everywhere).
+static void act_mul_range(float *g, const float *u, int j0, int j1, int gelu) {
     int j = j0;
-    for (; j + 16 <= j1; j += 16) vstore(g + j, vsilu_mul(vload(g + j), vload(u + j)));
-    if (j < j1) vstoren(g + j, vsilu_mul(vloadn(g + j, j1 - j), vloadn(u + j, j1 - j)), j1 - j);
+    for (; j + 16 <= j1; j += 16)
+        vstore(g + j, gelu ? vgelu_tanh_mul(vload(g + j), vload(u + j)) : vsilu_mul(vload(g + j), vload(u + j)));
+    if (j < j1) {
+        const vf a = vloadn(g + j, j1 - j), b = vloadn(u + j, j1 - j);
+        vstoren(g + j, gelu ? vgelu_tanh_mul(a, b) : vsilu_mul(a, b), j1 - j);
+    }
+}
+
+// h[t] += o[t], o[t] normed first by `ln` where the layer has one (gemma3's post-norms).
+static void residual_add(float *h, float *o, const float *ln, int D, float eps) {
+    if (ln) rms_norm(o, ln, D, eps, o);
+    for (int i = 0; i < D; i++) h[i] += o[i];
 }
 
 // h: [T, hidden] in/out (the embeddings in, the last layer's residual stream out, normed by final_norm). pos, slot: [T];
@@ -113,13 +150,16 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
     const int D = m->hidden, H = m->heads, Hkv = m->kv_heads, Dh = m->head_dim, I = m->inter, half = Dh / 2;
     const int G = H / Hkv;
     const size_t qn = (size_t)H * Dh, kn = (size_t)Hkv * Dh;
-    int pq = 0, po = 0, pg = 0, pd = 0;
+    int pq = 0, po = 0, pg = 0, pd = 0, bq = 0, bo = 0, bd = 0;
     for (int l = 0; l < m->num_layers; l++) {
         const Layer *L = &m->layers[l];
         const Mat *mats[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
-        Weights W;
         for (int i = 0; i < 7; i++)
-            if (mat_weights(mats[i], &W) || (m->act_int8 && W.fmt == FMT_Q4 && !i8_serves(&W))) return -2;
+            if (!mat_ok(mats[i], m->act_int8)) return -2;
+        bq |= mat_blocks(&L->q) || mat_blocks(&L->k) || mat_blocks(&L->v) || mat_blocks(&L->gate) ||
+              mat_blocks(&L->up);
+        bo |= mat_blocks(&L->o);
+        bd |= mat_blocks(&L->down);
         pq |= L->q.fmt == FMT_Q4 || L->k.fmt == FMT_Q4 || L->v.fmt == FMT_Q4;
         po |= L->o.fmt == FMT_Q4;
         pg |= L->gate.fmt == FMT_Q4 || L->up.fmt == FMT_Q4;
@@ -143,20 +183,24 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
     const int a8 = m->act_int8, px = pq || pg;
     int ok = (!px || q4in_alloc(&xp, a8, T, D)) & (!po || q4in_alloc(&attp, a8, T, (int)qn)) &
              (!pd || q4in_alloc(&gp, a8, T, I));
+    GIn xg = {0}, attg = {0}, gg = {0};  // and as the block kernels read it
+    ok &= (!bq || gin_alloc(&xg, T, D)) & (!bo || gin_alloc(&attg, T, (int)qn)) & (!bd || gin_alloc(&gg, T, I));
     float *x = malloc(sizeof(float) * T * D);
     float *q = malloc(sizeof(float) * T * qn), *k = malloc(sizeof(float) * T * kn), *v = malloc(sizeof(float) * T * kn);
     float *att = malloc(sizeof(float) * T * qn);
     float *o = malloc(sizeof(float) * T * D), *g = malloc(sizeof(float) * T * I), *u = malloc(sizeof(float) * T * I);
-    float *cs = malloc(sizeof(float) * T * half), *sn = malloc(sizeof(float) * T * half);
+    float *cs = malloc(sizeof(float) * 2 * T * half), *sn = malloc(sizeof(float) * 2 * T * half);  // two RoPEs
     float *scores = malloc(sizeof(float) * (size_t)nth * G * (max_ctx > 0 ? max_ctx : 1));
     float *bufs = T > MB2 ? malloc(sizeof(float) * (size_t)nth * WRB * Kmax) : NULL;
     int rc = ok && x && q && k && v && att && o && g && u && cs && sn && scores ? 0 : -1;
     if (rc == 0) {
-        for (int t = 0; t < T; t++)
-            for (int i = 0; i < half; i++) {
-                const float th = (float)pos[t] * m->rope_scale * m->inv_freq[i];
-                ss_sincos(th, sn + (size_t)t * half + i, cs + (size_t)t * half + i);
-            }
+        for (int r = 0; r < (m->inv_freq2 ? 2 : 1); r++)  // [rope][T][half]
+            for (int t = 0; t < T; t++)
+                for (int i = 0; i < half; i++) {
+                    const float th = (float)pos[t] * (r ? m->rope_scale2 * m->inv_freq2[i] : m->rope_scale * m->inv_freq[i]);
+                    const size_t at = ((size_t)r * T + t) * half + i;
+                    ss_sincos(th, sn + at, cs + at);
+                }
         const float sl2e = m->scale * 1.4426950408889634f;
 #pragma omp parallel num_threads(nth)
         {
@@ -168,20 +212,22 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
                 const Layer *L = &m->layers[l];
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++) {
-                    if (l > 0) for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                    if (l > 0) residual_add(h + (size_t)t * D, o + (size_t)t * D, m->layers[l - 1].ln_mlp_out, D, m->eps);
                     if (aux && aux_slot[l] >= 0)
                         memcpy(aux + t * an + (size_t)aux_slot[l] * D, h + (size_t)t * D, sizeof(float) * D);
                     rms_norm(h + (size_t)t * D, L->ln_in, D, m->eps, x + (size_t)t * D);
                     if (px) q4in_row(&xp, x + (size_t)t * D, t);
+                    if (bq) gin_row(&xg, x + (size_t)t * D, t);
                 }
-                matmul_share(&L->q, T, x, &xp, q, buf, n, tid, &j0, &j1);
-                matmul_share(&L->k, T, x, &xp, k, buf, n, tid, &j0, &j1);
-                matmul_share(&L->v, T, x, &xp, v, buf, n, tid, &j0, &j1);
+                matmul_share(&L->q, T, x, &xp, &xg, q, buf, n, tid, &j0, &j1);
+                matmul_share(&L->k, T, x, &xp, &xg, k, buf, n, tid, &j0, &j1);
+                matmul_share(&L->v, T, x, &xp, &xg, v, buf, n, tid, &j0, &j1);
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (int it = 0; it < T * (H + Hkv); it++) {
                     const int t = it / (H + Hkv), i = it % (H + Hkv);
-                    const float *c = cs + (size_t)t * half, *s = sn + (size_t)t * half;
+                    const size_t at = ((size_t)(L->rope2 && m->inv_freq2) * T + t) * half;
+                    const float *c = cs + at, *s = sn + at;
                     if (i < H) {
                         float *qh = q + (size_t)t * qn + (size_t)i * Dh;
                         if (L->q_norm) rms_norm(qh, L->q_norm, Dh, m->eps, qh);
@@ -204,33 +250,40 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
                     attend_one(G, Dh, q + qo, L->kc + head, L->vc + head, tables + tok_table[t], bs, lo, hi, sl2e,
                                sc, att + qo);
                 }
-                if (po) {
+                if (po || bo) {
 #pragma omp for schedule(static)
-                    for (int t = 0; t < T; t++) q4in_row(&attp, att + (size_t)t * qn, t);
+                    for (int t = 0; t < T; t++) {
+                        if (po) q4in_row(&attp, att + (size_t)t * qn, t);
+                        if (bo) gin_row(&attg, att + (size_t)t * qn, t);
+                    }
                 }
-                matmul_share(&L->o, T, att, &attp, o, buf, n, tid, &j0, &j1);
+                matmul_share(&L->o, T, att, &attp, &attg, o, buf, n, tid, &j0, &j1);
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++) {
-                    for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                    residual_add(h + (size_t)t * D, o + (size_t)t * D, L->ln_attn_out, D, m->eps);
                     rms_norm(h + (size_t)t * D, L->ln_post, D, m->eps, x + (size_t)t * D);
                     if (px) q4in_row(&xp, x + (size_t)t * D, t);
+                    if (bq) gin_row(&xg, x + (size_t)t * D, t);
                 }
-                matmul_share(&L->gate, T, x, &xp, g, buf, n, tid, &j0, &j1);
-                matmul_share(&L->up, T, x, &xp, u, buf, n, tid, &j0, &j1);
+                matmul_share(&L->gate, T, x, &xp, &xg, g, buf, n, tid, &j0, &j1);
+                matmul_share(&L->up, T, x, &xp, &xg, u, buf, n, tid, &j0, &j1);
                 for (int t = 0; t < T; t++)  // this thread's columns of gate and up: no barrier before
-                    silu_mul_range(g + (size_t)t * I, u + (size_t)t * I, j0, j1);
+                    act_mul_range(g + (size_t)t * I, u + (size_t)t * I, j0, j1, m->gelu);
 #pragma omp barrier
-                if (pd) {
+                if (pd || bd) {
 #pragma omp for schedule(static)
-                    for (int t = 0; t < T; t++) q4in_row(&gp, g + (size_t)t * I, t);
+                    for (int t = 0; t < T; t++) {
+                        if (pd) q4in_row(&gp, g + (size_t)t * I, t);
+                        if (bd) gin_row(&gg, g + (size_t)t * I, t);
+                    }
                 }
-                matmul_share(&L->down, T, g, &gp, o, buf, n, tid, &j0, &j1);
+                matmul_share(&L->down, T, g, &gp, &gg, o, buf, n, tid, &j0, &j1);
 #pragma omp barrier
             }
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
-                for (int i = 0; i < D; i++) h[(size_t)t * D + i] += o[(size_t)t * D + i];
+                residual_add(h + (size_t)t * D, o + (size_t)t * D, m->layers[m->num_layers - 1].ln_mlp_out, D, m->eps);
                 const int a = aux ? aux_slot[m->num_layers] : -1;
                 if (a >= 0) memcpy(aux + t * an + (size_t)a * D, h + (size_t)t * D, sizeof(float) * D);
                 if (m->final_norm) rms_norm(h + (size_t)t * D, m->final_norm, D, m->eps, h + (size_t)t * D);
@@ -239,6 +292,7 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
     }
     free(x), free(q), free(k), free(v), free(att), free(o), free(g), free(u);
     q4in_free(&xp), q4in_free(&attp), q4in_free(&gp);
+    gin_free(&xg), gin_free(&attg), gin_free(&gg);
     free(cs), free(sn), free(scores), free(bufs);
     return rc;
 }

@@ -1,6 +1,6 @@
-"""The decoder layers of llama-family models (llama, mistral, qwen2, qwen3) in C (layers.c): one call per step
-where the C kernels and attention run over a float32 head-major cache (docs/cpu-backend.md); anything else
-keeps the MLX path, its reference. `SPECSERVE_CPU_LAYERS=off` turns it off."""
+"""The decoder layers of llama-family models (llama, mistral, qwen2, qwen3) and gemma3 in C (layers.c): one
+call per step where the C kernels and attention run over a float32 head-major cache (docs/cpu-backend.md);
+anything else keeps the MLX path, its reference. `SPECSERVE_CPU_LAYERS=off` turns it off."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engine import envs
 from engine.attention.types import AttentionMetadata
 from engine.cpu.build import build_kernel, selected_isa
 from engine.cpu.host import host_view
-from engine.cpu.qgemm import FORMATS, PackedWeights
+from engine.cpu.qgemm import BLOCK_FORMATS, FORMATS, BlockWeights, PackedWeights
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 from engine.cpu.threads import cpu_threads
 from engine.kv.cache import PagedKVCache
@@ -25,7 +25,7 @@ from engine.models.adapter import aux_order
 from engine.models.weights import CpuEmbedding, CpuLinear
 
 SOURCE = Path(__file__).with_name("layers.c")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 class _Mat(ctypes.Structure):
@@ -38,7 +38,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [*[(n, _Mat) for n in ("q", "k", "v", "o", "gate", "up", "down")],
                 ("ln_in", ctypes.c_void_p), ("ln_post", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
-                ("window", ctypes.c_int)]
+                ("window", ctypes.c_int), ("ln_attn_out", ctypes.c_void_p), ("ln_mlp_out", ctypes.c_void_p),
+                ("rope2", ctypes.c_int)]
 
 
 class _Stack(ctypes.Structure):
@@ -47,7 +48,8 @@ class _Stack(ctypes.Structure):
                 ("rope_traditional", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("rope_scale", ctypes.c_float), ("slots", ctypes.c_long), ("inv_freq", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
-                ("act_int8", ctypes.c_int)]
+                ("act_int8", ctypes.c_int), ("inv_freq2", ctypes.c_void_p), ("rope_scale2", ctypes.c_float),
+                ("gelu", ctypes.c_int)]
 
 
 @functools.cache
@@ -74,6 +76,11 @@ def _f32(a: mx.array, keep: list[Any]) -> int:
 
 
 def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
+    if isinstance(m, CpuLinear) and isinstance(m._packed, BlockWeights):
+        bw = m._packed
+        keep.append(bw)
+        bias = _f32(m["bias"], keep) if "bias" in m else None
+        return _Mat(BLOCK_FORMATS[bw.qtype][0], 0, 0, bw.n, bw.k, bw.view.ctypes.data, None, None, bias)
     if isinstance(m, CpuLinear):
         pw: PackedWeights = m._packed
     elif type(m) is nn.Linear and m.weight.dtype == mx.float32:
@@ -88,6 +95,24 @@ def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
     return _Mat(FORMATS[pw.fmt], pw.group, pw.scale_dtype, pw.n, pw.k, views[0].ctypes.data,
                 views[1].ctypes.data if len(views) > 1 else None,
                 views[2].ctypes.data if len(views) > 2 else None, bias)
+
+
+def _is_gemma3(m: nn.Module) -> bool:
+    return type(m).__module__ == "mlx_lm.models.gemma3_text"
+
+
+def _gain(norm: nn.Module, keep: list[Any]) -> int:
+    """An RMSNorm's gain as the C norm takes it: nn.RMSNorm's weight, gemma3's 1 + weight."""
+    if type(norm) is nn.RMSNorm:
+        return _f32(norm.weight, keep)
+    if _is_gemma3(norm) and type(norm).__name__ == "RMSNorm":
+        return _f32(1.0 + norm.weight.astype(mx.float32), keep)
+    raise _Unsupported(f"norm {type(norm).__name__}")
+
+
+def _inv_freq(base: float, head_dim: int) -> np.ndarray:
+    half = head_dim // 2
+    return (np.float64(base) ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
 
 
 class CpuLayerStack:
@@ -112,23 +137,29 @@ class CpuLayerStack:
         n_heads = int(getattr(attn0, "n_heads", 0) or model.args.num_attention_heads)
         if rope.dims != head_dim:
             raise _Unsupported(f"partial rotary embedding ({rope.dims} of {head_dim} dims)")
-        half = head_dim // 2
-        inv_freq = (rope.base ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
-        self._keep.append(inv_freq)
+        # gemma3: post-norms around attention and MLP, GELU, embeddings scaled by sqrt(hidden), its local
+        # layers' RoPE base as the stack's second RoPE.
+        gemma = _is_gemma3(layers[0])
+        ropes = [(rope.base, rope.scale)]
         c_layers = (_Layer * len(layers))()
         eps = None
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
-            if type(a.rope) is not nn.RoPE or (a.rope.base, a.rope.scale, a.rope.traditional) != (
-                    rope.base, rope.scale, rope.traditional):
-                raise _Unsupported("layers with different RoPE settings")
-            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            same = (a.rope.traditional, a.rope.dims) == (rope.traditional, rope.dims)
+            if type(a.rope) is not nn.RoPE or not same:
+                raise _Unsupported(f"RoPE variant {type(a.rope).__name__}")
+            if (a.rope.base, a.rope.scale) not in ropes:
+                ropes.append((a.rope.base, a.rope.scale))
+            if len(ropes) > 2:
+                raise _Unsupported("layers with more than two RoPE settings")
+            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) or (
+                    gemma and not _is_gemma3(mlp)):
                 raise _Unsupported(f"MLP {type(mlp).__name__}")
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+            post = [layer.post_attention_layernorm, layer.post_feedforward_layernorm] if gemma else []
+            norms = [layer.input_layernorm, pre_mlp, *post]
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
             for n in [*norms, *[x for x in (qn, kn) if x is not None]]:
-                if type(n) is not nn.RMSNorm:
-                    raise _Unsupported(f"norm {type(n).__name__}")
                 if eps is not None and n.eps != eps:
                     raise _Unsupported("norms with different eps")
                 eps = n.eps
@@ -136,22 +167,35 @@ class CpuLayerStack:
             for name, mod in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj),
                               ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
                 setattr(cl, name, _mat(mod, self._keep))
-            cl.ln_in = _f32(norms[0].weight, self._keep)
-            cl.ln_post = _f32(norms[1].weight, self._keep)
-            cl.q_norm = _f32(qn.weight, self._keep) if qn is not None else None
-            cl.k_norm = _f32(kn.weight, self._keep) if kn is not None else None
+            cl.ln_in, cl.ln_post = _gain(norms[0], self._keep), _gain(norms[1], self._keep)
+            if post:
+                cl.ln_attn_out, cl.ln_mlp_out = _gain(post[0], self._keep), _gain(post[1], self._keep)
+            cl.q_norm = _gain(qn, self._keep) if qn is not None else None
+            cl.k_norm = _gain(kn, self._keep) if kn is not None else None
             cl.window = windows[i] or 0
+            cl.rope2 = int(ropes.index((a.rope.base, a.rope.scale)))
         self.layers = c_layers
+        inv_freq = [_inv_freq(base, head_dim) for base, _ in ropes]
+        self._keep.extend(inv_freq)
+        # gemma3 scales the embeddings by sqrt(hidden) rounded to bfloat16, as mlx-lm's model does.
+        hidden = int(c_layers[0].q.k)
+        self.embed_scale = (float(np.array(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32)))
+                            if gemma else None)
         # The final norm and the embedding lookup join the C call where the kernels can run them.
         norm = inner.norm
-        self.final_norm = type(norm) is nn.RMSNorm and norm.eps == eps
+        try:
+            final_gain = _gain(norm, self._keep) if norm.eps == eps else None
+        except _Unsupported:
+            final_gain = None
+        self.final_norm = final_gain is not None
         # Set by the first layer's norms; a uniform KV shape: every layer stores its own KV.
         assert eps is not None and kv.k[0] is not None
-        self.stack = _Stack(len(layers), int(c_layers[0].q.k), n_heads, n_kv, head_dim,
+        self.stack = _Stack(len(layers), hidden, n_heads, n_kv, head_dim,
                             int(c_layers[0].gate.n), int(bool(rope.traditional)), float(eps),
                             float(attn0.scale), float(rope.scale), int(kv.k[0].shape[1]),
-                            inv_freq.ctypes.data, c_layers,
-                            _f32(norm.weight, self._keep) if self.final_norm else None, int(act_int8))
+                            inv_freq[0].ctypes.data, c_layers, final_gain, int(act_int8),
+                            inv_freq[1].ctypes.data if len(inv_freq) > 1 else None,
+                            float(ropes[-1][1]), int(gemma))
         self._cache_arrays: list[mx.array | None] = []
 
     def _bind_cache(self) -> None:
@@ -187,6 +231,8 @@ class CpuLayerStack:
             h = embed.rows(np.asarray(tokens))
         else:
             h = np.array(embed(tokens).astype(mx.float32), dtype=np.float32, copy=True)
+        if self.embed_scale is not None:
+            h *= np.float32(self.embed_scale)
         host = meta.host()
         slots = np.asarray(meta.slot_mapping, dtype=np.int32)
         t = h.shape[0]

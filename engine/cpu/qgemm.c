@@ -3,7 +3,7 @@
 // Formats: bfloat16 and float16 weights, and MLX's affine quantization (8 or 4 bits packed little-end
 // first into uint32 words, one scale and one bias per `group` consecutive weights of a row, scales and
 // biases float32, float16 or bfloat16). GGUF Q8_0 / Q4_0 / Q4_1 load into the affine layout with
-// group 32, so their integers are served as stored.
+// group 32, so their integers are served as stored; GGML's Q5_0 / Q5_1 / K-quant blocks: blocks.h.
 //
 // Why: a decode step streams every weight once; float32 weights are 2x (bf16), 4x (8-bit) or ~6x
 // (4-bit) the bytes, and MLX's own quantized matmul has no fast CPU path. Each 16-weight slice is
@@ -268,18 +268,26 @@ typedef struct {
 
 static inline int i8_padded_blocks(int K) { return (K / 32 + 7) / 8 * 8; }
 
+// One block of 32 values given as two 16-lane vectors: q = round(x / d) stored (the first vector's 16, then
+// the second's), d returned; sums[0..2]: d * sum(q) over the block, over the first 16, over the second 16.
+SS_INLINE float q8_block(vf a, vf b, int8_t *q, float *sums) {
+    const float amax = vhmax(vmax(vabs(a), vabs(b)));
+    const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    // Rounded to nearest, ties to even (lrintf's rounding); integers below 2^24 sum exactly in floats.
+    const vf qa = vround(vmul(a, vset1(id))), qb = vround(vmul(b, vset1(id)));
+    vstore_i8(q, qa), vstore_i8(q + 16, qb);
+    sums[0] = dd * vhsum(vadd(qa, qb)), sums[1] = dd * vhsum(qa), sums[2] = dd * vhsum(qb);
+    return dd;
+}
+
 static void q8_quantize_row(const float *a, int K, int8_t *q, float *d, float *s) {
     const int nb = K / 32;
     for (int b = 0; b < nb; b++) {
         vf even, odd;
+        float sums[3];
         vdeint(a + (size_t)b * 32, &even, &odd);
-        const float amax = vhmax(vmax(vabs(even), vabs(odd)));
-        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        // Rounded to nearest, ties to even (lrintf's rounding); integers below 2^24 sum exactly in floats.
-        const vf qe = vround(vmul(even, vset1(id))), qo = vround(vmul(odd, vset1(id)));
-        vstore_i8(q + (size_t)b * 32, qe), vstore_i8(q + (size_t)b * 32 + 16, qo);
-        d[b] = dd;
-        s[b] = dd * vhsum(vadd(qe, qo));
+        d[b] = q8_block(even, odd, q + (size_t)b * 32, sums);
+        s[b] = sums[0];
     }
     for (int b = nb; b < i8_padded_blocks(K); b++) d[b] = s[b] = 0.0f;
 }
@@ -412,37 +420,33 @@ enum { I8_MB = 4 };
 SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, int ldc, int j) {
     const int K = W->K, nb = K / 32, nbp = X->nbp, gs = __builtin_ctz((unsigned)(W->group / 32));
     // Per block: the weight scale and bias (group 32: as stored; wider groups repeated), zero-padded.
-    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], sd[8][MAX_BLOCKS], bias[8];  // 8: the most rows a block takes
+    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], bias[8];  // 8: the most rows a block takes
     group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, sc);
     group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, bi);
     if (gs > 0)
         for (int b = nb - 1; b >= 0; b--) sc[b] = sc[b >> gs], bi[b] = bi[b >> gs];  // in place, from the end
     for (int b = nb; b < nbp; b++) sc[b] = bi[b] = 0.0f;
-    // The bias terms first (8-lane FMAs over the blocks, one horizontal sum), and each block's s * d.
+    // The bias terms first (8-lane FMAs over the blocks, one horizontal sum).
     for (int i = 0; i < M; i++) {
-        const float *d = X->d + (size_t)i * nbp, *xs = X->s + (size_t)i * nbp;
+        const float *xs = X->s + (size_t)i * nbp;
         iacc v = iacc_zero();
-        for (int b = 0; b < nbp; b += 8) {
-            v = iacc_fma(iacc_load(bi + b), iacc_load(xs + b), v);
-            iacc_store(sd[i] + b, iacc_mul(iacc_load(sc + b), iacc_load(d + b)));
-        }
+        for (int b = 0; b < nbp; b += 8) v = iacc_fma(iacc_load(bi + b), iacc_load(xs + b), v);
         bias[i] = ihsum(v);
     }
-#define I8_INIT(i) iacc e##i = iacc_zero(), o##i = e##i; const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K;
+    // Blocks in pairs: each lane's FMA with s * d (one rounding), even blocks in lanes 0-7, odd in 8-15.
+#define I8_INIT(i) iacc2 a##i = iacc2_zero(); const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K; \
+    const float *d##i = X->d + (size_t)((i) < M ? (i) : 0) * nbp;
     I8_EACH(I8_INIT)
 #undef I8_INIT
     const uint8_t *row = W->w + (size_t)j * (K / 2);
-#define I8_PAIR(i)                                                                                      \
-    if ((i) < M) {                                                                                      \
-        e##i = ifma(idot(w0, x##i + (size_t)b * 32), sd[i][b], e##i);                                   \
-        o##i = ifma(idot(w1, x##i + (size_t)b * 32 + 32), sd[i][b + 1], o##i);                          \
-    }
-#define I8_LAST(i) if ((i) < M) e##i = ifma(idot(w0, x##i + (size_t)b * 32), sd[i][b], e##i);
+#define I8_PAIR(i) if ((i) < M) a##i = ifma_pair(w, x##i + (size_t)b * 32, sc + b, d##i + b, a##i);
+#define I8_LAST(i) if ((i) < M) a##i = ifma_first(w0, x##i + (size_t)b * 32, sc[b] * d##i[b], sc[b] * d##i[b], a##i);
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
         if (!(b & 3)) vprefetch((const char *)row + (size_t)b * 16 + PREFETCH_BYTES);
         iw w0, w1;
         iw_q4x2(row + (size_t)b * 16, &w0, &w1);
+        const iw2 w = iw2_pair(w0, w1);
         I8_EACH(I8_PAIR)
     }
     if (b < nb) {
@@ -451,7 +455,7 @@ SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, 
     }
 #undef I8_PAIR
 #undef I8_LAST
-#define I8_OUT(i) if ((i) < M) C[(size_t)(i) * ldc + j] = ihsum(iacc_add(e##i, o##i)) + bias[i];
+#define I8_OUT(i) if ((i) < M) C[(size_t)(i) * ldc + j] = ihsum2(a##i) + bias[i];
     I8_EACH(I8_OUT)
 #undef I8_OUT
 }
@@ -504,3 +508,5 @@ int qgemm_i8(int fmt, int M, int N, int K, int group, const float *A, int lda, c
     q4in_free(&a);
     return 0;
 }
+
+#include "blocks.h"

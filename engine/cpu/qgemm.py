@@ -1,5 +1,6 @@
-"""Build and call `qgemm.c`, the small-M GEMM over float32 / bf16 / fp16 / MLX affine 8- and 4-bit weights,
-between MLX graphs on a CPU with a kernel ISA (docs/cpu-backend.md); elsewhere MLX's own matmuls run."""
+"""Build and call `qgemm.c`, the small-M GEMM over float32 / bf16 / fp16 / MLX affine 8- and 4-bit weights
+and GGML's block formats (blocks.h), between MLX graphs on a CPU with a kernel ISA (docs/cpu-backend.md);
+elsewhere MLX's own matmuls run."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def _lib_for(isa: str | None) -> ctypes.CDLL:
     lib.qgemm_i8.argtypes = lib.qgemm.argtypes
     lib.qgemm_rows.restype = i
     lib.qgemm_rows.argtypes = [i, i, i, i, p, p, p, i, p, i, p]
+    lib.qgemm_blocks.restype = i
+    lib.qgemm_blocks.argtypes = [i, i, i, i, p, i, p, p, i, i]
+    lib.qgemm_blocks_rows.restype = i
+    lib.qgemm_blocks_rows.argtypes = [i, i, i, p, p, i, p]
     return lib
 
 
@@ -103,10 +108,72 @@ class PackedWeights:
             pointer(self.views[2] if len(self.views) > 2 else w)
 
 
-def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0, isa: str | None = None,
+# GGML's block formats served as stored (engine/cpu/blocks.h): name -> (GGML type id, weights per block,
+# bytes per block).
+BLOCK_FORMATS = {"Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+                 "Q6_K": (14, 256, 210)}
+
+
+@dataclass(slots=True)
+class BlockWeights:
+    """One weight matrix [N, K] in a GGML block format, its rows as the file stores them ([N, row bytes]
+    uint8), multiplied with 8-bit activations only (engine/cpu/blocks.h)."""
+
+    qtype: str  # a key of BLOCK_FORMATS
+    n: int
+    k: int
+    blocks: mx.array  # kept alive
+    view: np.ndarray
+    group = 0
+    int8 = True
+
+    @classmethod
+    def of(cls, qtype: str, blocks: mx.array, k: int) -> BlockWeights:
+        _, per, size = BLOCK_FORMATS[qtype]
+        if blocks.dtype != mx.uint8 or blocks.ndim != 2 or k % per or blocks.shape[1] != k // per * size:
+            raise ValueError(f"{qtype} weights of {k} columns are [N, {k // per * size}] bytes, got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        blocks = mx.contiguous(blocks)
+        return cls(qtype, blocks.shape[0], k, blocks, host_view(blocks))
+
+    @property
+    def fmt(self) -> str:
+        return self.qtype
+
+    def supported(self) -> bool:
+        return self.k // 32 <= MAX_GROUPS
+
+    def int8_serves(self) -> bool:
+        return True
+
+
+def blocks_host(x: np.ndarray, bw: BlockWeights, max_threads: int = 0, isa: str | None = None) -> np.ndarray:
+    """x: [M, K] float32 (row-contiguous) -> [M, N] float32, rows of x quantized to 8 bits per 32 values."""
+    out = np.empty((x.shape[0], bw.n), dtype=np.float32)
+    rc = _lib(isa).qgemm_blocks(BLOCK_FORMATS[bw.qtype][0], x.shape[0], bw.n, bw.k, pointer(x), x.shape[1],
+                                pointer(bw.view), pointer(out), bw.n, max_threads)
+    if rc != 0:
+        raise ValueError(f"qgemm refused {bw.qtype} [{bw.n}, {bw.k}]")
+    return out
+
+
+def block_rows_host(ids: np.ndarray, bw: BlockWeights, isa: str | None = None) -> np.ndarray:
+    """Rows `ids` of a block-format matrix as float32 [len(ids), K], valued as GGML dequantizes them."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+    out = np.empty((ids.size, bw.k), dtype=np.float32)
+    rc = _lib(isa).qgemm_blocks_rows(BLOCK_FORMATS[bw.qtype][0], bw.n, bw.k, pointer(bw.view), pointer(ids),
+                                     ids.size, pointer(out))
+    if rc != 0:
+        raise ValueError(f"token ids out of range for a [{bw.n}, {bw.k}] table")
+    return out
+
+
+def qgemm_host(x: np.ndarray, pw: PackedWeights | BlockWeights, max_threads: int = 0, isa: str | None = None,
                int8: bool = False) -> np.ndarray:
     """x: [M, K] float32 (row-contiguous) -> [M, N] float32. `int8`: rows of x quantized to 8 bits per 32
-    values (4-bit weights only)."""
+    values (4-bit weights only; block formats always)."""
+    if isinstance(pw, BlockWeights):
+        return blocks_host(x, pw, max_threads, isa)
     m = x.shape[0]
     out = np.empty((m, pw.n), dtype=np.float32)
     fn = _lib(isa).qgemm_i8 if int8 else _lib(isa).qgemm
@@ -117,8 +184,10 @@ def qgemm_host(x: np.ndarray, pw: PackedWeights, max_threads: int = 0, isa: str 
     return out
 
 
-def rows_host(ids: np.ndarray, pw: PackedWeights, isa: str | None = None) -> np.ndarray:
+def rows_host(ids: np.ndarray, pw: PackedWeights | BlockWeights, isa: str | None = None) -> np.ndarray:
     """Rows `ids` of the weight matrix as float32 [len(ids), K] (an embedding lookup)."""
+    if isinstance(pw, BlockWeights):
+        return block_rows_host(ids, pw, isa)
     ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
     out = np.empty((ids.size, pw.k), dtype=np.float32)
     rc = _lib(isa).qgemm_rows(FORMATS[pw.fmt], pw.n, pw.k, pw.group, *pw.pointers(), pw.scale_dtype,
@@ -128,7 +197,7 @@ def rows_host(ids: np.ndarray, pw: PackedWeights, isa: str | None = None) -> np.
     return out
 
 
-def qgemm(x: mx.array, pw: PackedWeights) -> mx.array:
+def qgemm(x: mx.array, pw: PackedWeights | BlockWeights) -> mx.array:
     """x: [..., K] -> [..., N] float32, x @ dequant(W).T."""
     lead = x.shape[:-1]
     if x.size == 0:  # a step whose rows are all prefill without logits

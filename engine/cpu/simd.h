@@ -375,15 +375,23 @@ static inline void ss_sincos(float angle, float *s, float *c) {
     *c = (float)co;
 }
 
-// x * sigmoid(x) * u per lane: x / (1 + e^-x) for x >= 0, x e^x / (1 + e^x) below, with the exponential of
-// -|x| (vexp2_neg never overflows).
-SS_INLINE vf vsilu_mul(vf x, vf u) {
+// x * sigmoid(z) * u per lane: x / (1 + e^-z) for z >= 0, x e^z / (1 + e^z) below, with the exponential of
+// -|z| (vexp2_neg never overflows).
+SS_INLINE vf ss_sigmoid_mul(vf x, vf z, vf u) {
     const vf zero = vzero(), one = vset1(1.0f);
-    const vf e = vexp2_neg(vmul(vsub(zero, vmax(x, vsub(zero, x))), vset1(1.4426950408889634f)));
-    return vmul(vdiv(vmul(x, vsel_ge(x, zero, one, e)), vadd(one, e)), u);
+    const vf e = vexp2_neg(vmul(vsub(zero, vmax(z, vsub(zero, z))), vset1(1.4426950408889634f)));
+    return vmul(vdiv(vmul(x, vsel_ge(z, zero, one, e)), vadd(one, e)), u);
 }
-// Integer dot products of 4-bit weights with 8-bit activations, 32 at a time: `iw` holds a block's 32
-// weights (0..15, its 16 low nibbles then its 16 high ones), the activations come as int8 in the same
+// silu(x) * u.
+SS_INLINE vf vsilu_mul(vf x, vf u) { return ss_sigmoid_mul(x, x, u); }
+// GELU's tanh form times u: 0.5 x (1 + tanh(y)) = x * sigmoid(2y), y = sqrt(2 / pi) (x + 0.044715 x^3).
+SS_INLINE vf vgelu_tanh_mul(vf x, vf u) {
+    const vf z = vmul(vset1(1.5957691216057308f), vfma(vmul(vset1(0.044715f), vmul(x, x)), x, x));
+    return ss_sigmoid_mul(x, z, u);
+}
+// Integer dot products of 4- to 6-bit weights with 8-bit activations, 32 at a time: `iw` holds a block's 32
+// weights as bytes below 64 (so vpmaddubsw's pair sums never saturate; for 4-bit ones its 16 low nibbles
+// then its 16 high ones), the activations come as int8 in the same
 // order, `idot` gives 8 int32 lanes (lane l: the products of bytes 4l..4l+3; exact, so any instruction
 // that sums the same bytes gives the same lanes), `ifma` adds lane * scale into 8 float lanes with one
 // FMA each, and `ihsum` ends with one fixed tree. x86 builds use 256-bit AVX2 (AVX-512 CPUs have it), and
@@ -410,6 +418,28 @@ SS_INLINE void iw_q4x2(const uint8_t *p, iw *w0, iw *w1) {
     *w0 = _mm256_permute2x128_si256(lo, hi, 0x20);
     *w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
 }
+// Bytes of GGML's block formats (engine/cpu/blocks.h): 32 loaded; each byte's bits shift.. under `mask`;
+// a | b << 4 per byte (b's bytes below 16); byte j = bit j of h.
+SS_INLINE iw iw_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+SS_INLINE void iw_store(uint8_t *p, iw w) { _mm256_storeu_si256((__m256i *)p, w); }
+SS_INLINE iw iw_field(iw a, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(a, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+SS_INLINE iw iw_or_hi(iw a, iw b) { return _mm256_or_si256(a, _mm256_slli_epi16(b, 4)); }
+SS_INLINE iw iw_bits32(uint32_t h) {
+    const __m256i which = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), which), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(1));
+}
+// a with 16 added to byte j where bit j of h is set (a's bytes below 16: a | bit << 4).
+SS_INLINE iw iw_add_bits32(iw a, uint32_t h) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(a, (__mmask32)h, a, _mm256_set1_epi8(16));
+#else
+    return iw_or_hi(a, iw_bits32(h));
+#endif
+}
 SS_INLINE iacc iacc_zero(void) { return _mm256_setzero_ps(); }
 SS_INLINE iacc iacc_load(const float *p) { return _mm256_loadu_ps(p); }
 SS_INLINE void iacc_store(float *p, iacc a) { _mm256_storeu_ps(p, a); }
@@ -418,6 +448,10 @@ SS_INLINE iacc iacc_mul(iacc a, iacc b) { return _mm256_mul_ps(a, b); }
 SS_INLINE iacc iacc_fma(iacc a, iacc b, iacc c) { return _mm256_fmadd_ps(a, b, c); }
 SS_INLINE iacc ifma(__m256i d, float scale, iacc acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale), acc);
+}
+// Lanes 0-3 scaled by s0, lanes 4-7 by s1 (a block of two 16-weight halves with their own scales).
+SS_INLINE iacc ifma2(__m256i d, float s0, float s1, iacc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc);
 }
 SS_INLINE float ihsum(iacc a) {  // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -446,6 +480,26 @@ SS_INLINE void iw_q4x2(const uint8_t *p, iw *w0, iw *w1) {
     *w0 = iw_q4(p);
     *w1 = iw_q4(p + 16);
 }
+SS_INLINE iw iw_load(const uint8_t *p) {
+    iw w;
+    memcpy(w.b, p, 32);
+    return w;
+}
+SS_INLINE void iw_store(uint8_t *p, iw w) { memcpy(p, w.b, 32); }
+SS_INLINE iw iw_field(iw a, int shift, int mask) {
+    for (int i = 0; i < 32; i++) a.b[i] = (uint8_t)((a.b[i] >> shift) & mask);
+    return a;
+}
+SS_INLINE iw iw_or_hi(iw a, iw b) {
+    for (int i = 0; i < 32; i++) a.b[i] = (uint8_t)(a.b[i] | b.b[i] << 4);
+    return a;
+}
+SS_INLINE iw iw_bits32(uint32_t h) {
+    iw w;
+    for (int j = 0; j < 32; j++) w.b[j] = (uint8_t)((h >> j) & 1);
+    return w;
+}
+SS_INLINE iw iw_add_bits32(iw a, uint32_t h) { return iw_or_hi(a, iw_bits32(h)); }
 SS_INLINE iacc iacc_zero(void) { return (iacc){{0}}; }
 SS_INLINE iacc iacc_load(const float *p) {
     iacc a;
@@ -469,9 +523,74 @@ SS_INLINE iacc ifma(idots d, float scale, iacc acc) {
     for (int l = 0; l < 8; l++) acc.v[l] = __builtin_fmaf((float)d.v[l], scale, acc.v[l]);
     return acc;
 }
+SS_INLINE iacc ifma2(idots d, float s0, float s1, iacc acc) {
+    for (int l = 0; l < 8; l++) acc.v[l] = __builtin_fmaf((float)d.v[l], l < 4 ? s0 : s1, acc.v[l]);
+    return acc;
+}
 SS_INLINE float ihsum(iacc a) {
     const float v0 = a.v[0] + a.v[4], v1 = a.v[1] + a.v[5], v2 = a.v[2] + a.v[6], v3 = a.v[3] + a.v[7];
     return (v0 + v2) + (v1 + v3);
 }
+#endif
+
+// Two consecutive blocks at once: `iw2` their 64 bytes, `iacc2` 16 float lanes, lanes 0-7 the first block's
+// 8 (the even blocks' accumulator), 8-15 the second's (the odd ones'), each lane updated by exactly the
+// idot / ifma / ifma2 sequence above, so the bits are those of two iacc chains; one 512-bit dot, convert
+// and FMA where the build has AVX-512.
+#if defined(SS_ISA_AVX512)
+typedef __m512i iw2;
+typedef __m512 iacc2;
+SS_INLINE iw2 iw2_pair(iw a, iw b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+SS_INLINE iacc2 iacc2_zero(void) { return _mm512_setzero_ps(); }
+SS_INLINE __m512 ss_dot2(iw2 w, const int8_t *x) {
+    const __m512i a = _mm512_loadu_si512((const void *)x);
+#if defined(__AVX512VNNI__)
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
+#else
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+#endif
+}
+// Lanes 0-7 += dot(first block) * (ws[0] * d[0]), lanes 8-15 += dot(second) * (ws[1] * d[1]).
+SS_INLINE iacc2 ifma_pair(iw2 w, const int8_t *x, const float *ws, const float *d, iacc2 acc) {
+    const __m128 s = _mm_mul_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)ws)),
+                                _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)d)));
+    const __m512i at = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_fmadd_ps(ss_dot2(w, x), _mm512_permutexvar_ps(at, _mm512_castps128_ps512(s)), acc);
+}
+// The same with a scale per 16 weights: lanes 4k..4k+3 times ws[k] * d[k / 2].
+SS_INLINE iacc2 ifma_pair_halves(iw2 w, const int8_t *x, const float *ws, const float *d, iacc2 acc) {
+    const __m128 dd = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)d));
+    const __m128 s = _mm_mul_ps(_mm_loadu_ps(ws), _mm_unpacklo_ps(dd, dd));
+    const __m512i at = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_fmadd_ps(ss_dot2(w, x), _mm512_permutexvar_ps(at, _mm512_castps128_ps512(s)), acc);
+}
+// A last, unpaired block into lanes 0-7 (lanes 8-15 kept): as ifma / ifma2.
+SS_INLINE iacc2 ifma_first(iw w, const int8_t *x, float s0, float s1, iacc2 acc) {
+    const __m512 lo = _mm512_castps256_ps512(ifma2(idot(w, x), s0, s1, _mm512_castps512_ps256(acc)));
+    return _mm512_mask_blend_ps(0x00FF, acc, lo);
+}
+SS_INLINE float ihsum2(iacc2 a) {
+    return ihsum(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+}
+#else
+typedef struct { iw a, b; } iw2;
+typedef struct { iacc lo, hi; } iacc2;
+SS_INLINE iw2 iw2_pair(iw a, iw b) { iw2 w = {a, b}; return w; }
+SS_INLINE iacc2 iacc2_zero(void) { iacc2 z = {iacc_zero(), iacc_zero()}; return z; }
+SS_INLINE iacc2 ifma_pair(iw2 w, const int8_t *x, const float *ws, const float *d, iacc2 acc) {
+    acc.lo = ifma(idot(w.a, x), ws[0] * d[0], acc.lo);
+    acc.hi = ifma(idot(w.b, x + 32), ws[1] * d[1], acc.hi);
+    return acc;
+}
+SS_INLINE iacc2 ifma_pair_halves(iw2 w, const int8_t *x, const float *ws, const float *d, iacc2 acc) {
+    acc.lo = ifma2(idot(w.a, x), ws[0] * d[0], ws[1] * d[0], acc.lo);
+    acc.hi = ifma2(idot(w.b, x + 32), ws[2] * d[1], ws[3] * d[1], acc.hi);
+    return acc;
+}
+SS_INLINE iacc2 ifma_first(iw w, const int8_t *x, float s0, float s1, iacc2 acc) {
+    acc.lo = ifma2(idot(w, x), s0, s1, acc.lo);
+    return acc;
+}
+SS_INLINE float ihsum2(iacc2 a) { return ihsum(iacc_add(a.lo, a.hi)); }
 #endif
 #endif

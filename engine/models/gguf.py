@@ -20,7 +20,15 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.cpu.host import float_list
-from engine.models.gguf_file import GGML_GROUP_SIZE, dense, model_dtype, py_value, read_file, tensor_arrays
+from engine.models.gguf_file import (
+    BLOCK_TYPES,
+    GGML_GROUP_SIZE,
+    dense,
+    model_dtype,
+    py_value,
+    read_file,
+    tensor_arrays,
+)
 from engine.models.gguf_tokenizer import build_tokenizer, stop_ids
 
 # Written last into a converted folder; a folder without it is not a finished conversion.
@@ -358,8 +366,12 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
     if dtype is None:
         dtype = model_dtype({t.qtype for t in tensors.values()})
     arrays: dict[str, mx.array] = {}
+    blocks: dict[str, str] = {}  # GGUF tensor name -> GGML type, for matrices kept as their blocks
     for tensor_name in tqdm(sorted(tensors), desc="gguf -> mlx", unit="tensor", disable=not progress):
-        for name, w in tensor_arrays(tensors.pop(tensor_name)).items():
+        t = tensors.pop(tensor_name)
+        for name, w in tensor_arrays(t).items():
+            if w.dtype == mx.uint8 and t.qtype in BLOCK_TYPES:
+                blocks[name] = t.qtype.name
             parts = name.split(".")
             if parts[0] == "blk" and parts[2] in heads:
                 w = unpermute_rows(w, heads[parts[2]])
@@ -376,6 +388,9 @@ def read_gguf(path: str | Path, progress: bool = False, *, dtype: mx.Dtype | Non
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     if (quant := _quantization_config(weights)) is not None:
         config["quantization"] = quant
+    if blocks:  # module path -> type (weights.BlockLinear)
+        config["gguf_blocks"] = {_hf_name(n, family).removesuffix(".weight"): q
+                                 for n, q in sorted(blocks.items())}
     tokenizer_json, tokenizer_config, special_map = build_tokenizer(md, config["max_position_embeddings"])
     stops = stop_ids(md)
     bos_id = py_value(md.get("tokenizer.ggml.bos_token_id"))

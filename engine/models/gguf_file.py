@@ -1,5 +1,6 @@
 """A GGUF file's metadata and tensors off a memory map: Q4_0 / Q4_1 / Q8_0 as MLX's affine triples (group 32)
-bit for bit, F32 / F16 / BF16 as stored, every other type dequantized to float32 by the `gguf` package."""
+bit for bit, F32 / F16 / BF16 as stored, Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K matrices as their blocks' bytes,
+every other type dequantized to float32 by the `gguf` package."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ _QT = gguf.GGMLQuantizationType
 _AFFINE_BITS = {_QT.Q4_0: 4, _QT.Q4_1: 4, _QT.Q8_0: 8}
 # Read as stored; every other type is dequantized to float32.
 _STORED = {_QT.F32, _QT.F16, _QT.BF16}
+# GGML block types kept as the file stores them (engine/cpu/blocks.h serves them; weights.BlockLinear).
+BLOCK_TYPES = {_QT.Q5_0, _QT.Q5_1, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K}
 
 
 def py_value(value: Any) -> Any:
@@ -156,7 +159,10 @@ def model_dtype(types: set[gguf.GGMLQuantizationType]) -> mx.Dtype:
 
 
 def tensor_arrays(t: Tensor) -> dict[str, mx.array]:
-    """The tensor's arrays by name: `x.weight`, or `x.weight` / `x.scales` / `x.biases` for a triple."""
+    """The tensor's arrays by name: `x.weight`, or `x.weight` / `x.scales` / `x.biases` for a triple; a
+    matrix of BLOCK_TYPES as its rows' bytes ([rows, row bytes] uint8)."""
+    if t.qtype in BLOCK_TYPES and len(t.shape) == 2:
+        return {t.name: mx.array(np.ascontiguousarray(t.data))}
     if t.qtype not in _AFFINE_BITS:
         return {t.name: dense(t)}
     base = t.name.removesuffix(".weight")

@@ -21,7 +21,15 @@ from tqdm import tqdm
 from engine.config import DType, cache_dir
 from engine.models.gguf import convert_gguf, is_current, read_gguf
 from engine.models.hf_config import mlx_config
-from engine.models.weights import DEFAULT_GROUP_SIZE, QUANTIZATIONS, WeightPlan, apply_plan, precision_name
+from engine.models.weights import (
+    DEFAULT_GROUP_SIZE,
+    QUANTIZATIONS,
+    WeightPlan,
+    apply_plan,
+    load_arrays,
+    precision_name,
+    use_block_modules,
+)
 from engine.sampling import SamplingParams
 
 # mlx_lm, transformers and huggingface_hub load where a model is loaded: ~2 s that config readers skip.
@@ -111,6 +119,8 @@ def build_model(config: dict, weights: dict[str, mx.array]) -> nn.Module:
             return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
+    if blocks := config.get("gguf_blocks"):
+        use_block_modules(model, blocks)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     return model
@@ -254,7 +264,13 @@ def load_model(
     else:
         from mlx_lm.utils import load_config
 
-        net, config = mlx_load_model(path, lazy=True, model_config=mlx_config(load_config(path)))
+        config = mlx_config(load_config(path))
+        if "gguf_blocks" in config:  # a converted GGUF with block weights: mlx-lm's loader cannot place them
+            weights = {k: v for f in sorted(path.glob("*.safetensors"))
+                       for k, v in load_arrays(str(f)).items()}
+            net = build_model(config, weights)
+        else:
+            net, config = mlx_load_model(path, lazy=True, model_config=config)
         tokenizer = load_tokenizer(path, chat_template)
         folder = path
         name = DEFAULT_MODEL_NAME if source == "default" else (str(model) if source == "hub" else path.name)

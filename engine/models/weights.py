@@ -18,9 +18,9 @@ from mlx.nn.layers.distributed import (
     QuantizedShardedToAllLinear,
     ShardedToAllLinear,
 )
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from engine.cpu.qgemm import PackedWeights, int8_by_default, qgemm, rows_host
+from engine.cpu.qgemm import BLOCK_FORMATS, BlockWeights, PackedWeights, int8_by_default, qgemm, rows_host
 from engine.cpu.qgemm import unsupported_reason as qgemm_reason
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,60 @@ def quantize(model: nn.Module, bits: int, group_size: int = DEFAULT_GROUP_SIZE) 
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
 
 
+class BlockLinear(nn.Module):
+    """A linear layer (or an embedding table, `embedding`) whose weight is GGML blocks as a GGUF file stores
+    them ([N, row bytes] uint8; engine/cpu/blocks.h): held so until `apply_plan` gives it its serving form
+    (the C kernel's, or float32 weights)."""
+
+    def __init__(self, qtype: str, n: int, k: int, embedding: bool = False, bias: bool = False) -> None:
+        super().__init__()
+        _, per, size = BLOCK_FORMATS[qtype]
+        self.weight = mx.zeros((n, k // per * size), dtype=mx.uint8)
+        if bias:
+            self.bias = mx.zeros((n,))
+        self.qtype, self.n, self.k, self.embedding = qtype, n, k, embedding
+
+    def dequantized(self) -> mx.array:
+        """The weight as float32 [N, K], as GGML (the gguf package) dequantizes it."""
+        import gguf  # the GGUF reader's dependency, needed only here
+
+        values = gguf.quants.dequantize(np.array(self.weight), gguf.GGMLQuantizationType[self.qtype])
+        return mx.array(values.astype(np.float32, copy=False).reshape(self.n, self.k))
+
+    def float_module(self) -> nn.Module:
+        """The same layer with float32 weights."""
+        if self.embedding:
+            e = nn.Embedding(self.n, self.k)
+            e.weight = self.dequantized()
+            return e
+        lin = nn.Linear(self.k, self.n, bias="bias" in self)
+        lin.weight = self.dequantized()
+        if "bias" in self:
+            lin.bias = self["bias"]
+        return lin
+
+
+def use_block_modules(model: nn.Module, blocks: dict[str, str]) -> None:
+    """Put a BlockLinear where `blocks` (module path -> GGML type) names a layer, before its weights load."""
+    modules = dict(model.named_modules())
+    updates = []
+    for path, qtype in blocks.items():
+        m = modules.get(path)
+        if not isinstance(m, (nn.Linear, nn.Embedding)):
+            raise ValueError(f"GGUF {qtype} tensor {path}.weight: no linear or embedding layer of that name")
+        n, k = m.weight.shape
+        updates.append((path, BlockLinear(qtype, n, k, isinstance(m, nn.Embedding), "bias" in m)))
+    model.update_modules(tree_unflatten(updates))
+
+
+def dequantize_blocks(model: nn.Module) -> bool:
+    """Every BlockLinear as a float32 layer; -> whether there was one."""
+    found = [(path, m.float_module()) for path, m in model.named_modules() if isinstance(m, BlockLinear)]
+    if found:
+        model.update_modules(tree_unflatten(found))
+    return bool(found)
+
+
 @dataclass(frozen=True, slots=True)
 class WeightPlan:
     dtype: str  # the --dtype asked for
@@ -106,6 +160,11 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
     layers once their precision is settled, before the CPU modules are swapped in."""
     from mlx_lm.utils import dequantize_model  # mlx_lm loads transformers (~2 s): only when loading
 
+    # GGML blocks are served as stored only by the CPU kernels, without re-quantization or sharding.
+    served_as_blocks = plan.dtype == "auto" and not plan.quantization and shard is None and on_cpu()
+    if not (served_as_blocks and qgemm_reason() is None) and dequantize_blocks(model):
+        logger.info("GGML block weights dequantized to float32 (served as stored only by the CPU kernels "
+                    "at --dtype auto, without --quantization or tensor parallelism)")
     quantized = is_quantized(model)
     if plan.dtype != "auto" or (plan.quantization and quantized):
         if plan.quantization and quantized:
@@ -140,6 +199,25 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
     mx.eval(model.parameters())
 
 
+class _Serving:
+    """A C-kernel module's weights as stored and, for GGML blocks, the float32 copy the float32 activation
+    precision multiplies (made once, when first asked for)."""
+
+    def __init__(self, stored: PackedWeights | BlockWeights) -> None:
+        self.stored = stored
+        self.floats: PackedWeights | None = None
+
+    def pick(self, blocks: bool) -> PackedWeights | BlockWeights:
+        if blocks or not isinstance(self.stored, BlockWeights):
+            return self.stored
+        return self.float_copy(self.stored)
+
+    def float_copy(self, b: BlockWeights) -> PackedWeights:
+        if self.floats is None:
+            self.floats = PackedWeights.floats(mx.array(rows_host(np.arange(b.n), b)))
+        return self.floats
+
+
 class CpuLinear(nn.Module):
     """A linear layer whose weight stays as stored, multiplied by engine/cpu/qgemm.c on the calling thread."""
 
@@ -152,8 +230,15 @@ class CpuLinear(nn.Module):
         if bias is not None:
             self.bias = bias
         self._packed = packed
+        self._serving = _Serving(packed)
         self._group = group
         self.precision = _packed_name(packed)
+
+    def serve_blocks(self, on: bool) -> None:
+        """GGML block weights: multiply them as stored (int8 activations) or as their float32 copy."""
+        if isinstance(self._serving.stored, BlockWeights):
+            self._packed = self._serving.pick(on)
+            self.precision = _packed_name(self._packed)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = qgemm(x, self._packed)
@@ -171,10 +256,17 @@ class CpuEmbedding(nn.Module):
         for k, v in params.items():
             setattr(self, k, v)
         self._packed = packed
+        self._serving = _Serving(packed)
         self._dtype = compute_dtype
         self._f32 = SimpleNamespace(table=None)  # not a parameter: float32_table()'s copy
         self.group_size, self.bits = group_size, bits
         self.precision = _packed_name(packed)
+
+    def serve_blocks(self, on: bool) -> None:
+        """GGML block weights: multiply them as stored (int8 activations) or as their float32 copy."""
+        if isinstance(self._serving.stored, BlockWeights):
+            self._packed = self._serving.pick(on)
+            self.precision = _packed_name(self._packed)
 
     def __call__(self, ids: mx.array) -> mx.array:
         rows = self.rows(np.asarray(ids))
@@ -190,10 +282,13 @@ class CpuEmbedding(nn.Module):
     def float32_table(self) -> mx.array:
         """The whole table in float32 for raw-row readers (the MTP assistant's C pass): the stored array, or a
         dequantized copy made once."""
-        if self._packed.fmt == "f32":
+        stored = self._serving.stored
+        if self._packed.fmt == "f32" and not isinstance(stored, BlockWeights):
             return self["weight"]
         if self._f32.table is None:
-            if self.bits:
+            if isinstance(stored, BlockWeights):
+                table = self._serving.float_copy(stored).arrays[0]
+            elif self.bits:
                 table = mx.dequantize(self["weight"], self["scales"], self["biases"],
                                       group_size=self.group_size, bits=self.bits)
             else:
@@ -215,7 +310,15 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
 
     def swap(path: str, m: Any) -> Any:
         nonlocal count
-        packed: PackedWeights | None = None
+        packed: PackedWeights | BlockWeights | None = None
+        if isinstance(m, BlockLinear):
+            packed, params = BlockWeights.of(m.qtype, m.weight, m.k), {"weight": m.weight}
+            if not packed.supported():
+                return swap(path, m.float_module())
+            count += 1
+            if m.embedding:
+                return CpuEmbedding(packed, params, compute_dtype)
+            return CpuLinear(packed, m.get("bias"), params)
         if isinstance(m, _QUANT):
             if getattr(m, "mode", "affine") != "affine" or m.bits not in (4, 8) or "biases" not in m:
                 return m
@@ -243,19 +346,27 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
 
 def set_activation_precision(model: nn.Module, choice: str) -> bool:
     """Point every 4-bit C-kernel product at 8-bit activations (`int8`; `auto` where the ISA favours it), or
-    keep float32 (`float32`). -> whether any product takes int8; `int8` without 4-bit weights raises."""
-    packed = [m._packed for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
+    keep float32 (`float32`). GGML block weights take int8 at `auto` and `int8` on every ISA (their only
+    kernel), and are multiplied as float32 copies at `float32`. -> whether any product takes int8; `int8`
+    without 4-bit or block weights raises."""
+    mods = [m for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
+    for m in mods:
+        m.serve_blocks(choice != "float32")
+    packed = [m._packed for m in mods]
     wanted = choice == "int8" or (choice == "auto" and int8_by_default())
-    int8 = [p for p in packed if p.int8_serves()] if wanted else []
+    int8 = [p for p in packed if isinstance(p, BlockWeights) or (wanted and p.int8_serves())]
     if choice == "int8" and not int8:
-        raise ValueError("--activation-precision int8 needs 4-bit weights multiplied by the C kernels "
-                         "(this model has none: use auto or float32)")
+        raise ValueError("--activation-precision int8 needs 4-bit weights or GGML block weights (Q5_0, Q4_K, "
+                         "...) multiplied by the C kernels (this model has none: use auto or float32)")
     chosen = {id(p) for p in int8}
     for p in packed:
-        p.int8 = id(p) in chosen
+        if isinstance(p, PackedWeights):
+            p.int8 = id(p) in chosen
     return bool(chosen)
 
 
 def uses_int8_activations(model: nn.Module) -> bool:
-    """Whether set_activation_precision pointed some product of this model at 8-bit activations."""
-    return any(m._packed.int8 for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding)))
+    """Whether set_activation_precision pointed some 4-bit product in MLX's affine layout at 8-bit
+    activations: the C layer stack's act_int8 (GGML block products always take them)."""
+    return any(isinstance(m._packed, PackedWeights) and m._packed.int8 for m in model.modules()
+               if isinstance(m, (CpuLinear, CpuEmbedding)))

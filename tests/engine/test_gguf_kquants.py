@@ -128,10 +128,19 @@ def test_dequantized_types_equal_gguf_dequantize(tmp_path: Path, variant: str) -
             assert cfg["quantization"] == {"group_size": 32, "bits": 8}  # the fast path, untouched
             got = mx.dequantize(model.weights[name], model.weights["model.embed_tokens.scales"],
                                 model.weights["model.embed_tokens.biases"], group_size=32, bits=8)
+        elif (qtype := cfg.get("gguf_blocks", {}).get(name.removesuffix(".weight"))) is not None:
+            # Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K matrices stay the file's blocks (rows put in HF order)
+            assert qtype in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K") and model.weights[name].dtype == mx.uint8
+            values = gguf.quants.dequantize(np.array(model.weights[name]), QT[qtype])
+            got = mx.array(values.reshape(want.shape))
         else:
             got = model.weights[name]
             assert got.dtype == mx.float32, name
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want, err_msg=name)
+    # Every block-type matrix is kept as blocks; Q2_K, Q3_K and BF16 are dequantized.
+    block_types = {QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+    linears = [types["layers"][n % len(types["layers"])] for n in range(LAYERS * len(LINEARS))]
+    assert len(cfg["gguf_blocks"]) == sum(q in block_types for q in [types["embd"], *linears])
     if variant == "mx_misreads":  # what the file gave before this reader: far from the file's numbers
         q4k = "blk.0.attn_q.weight"
         old = np.array(mx.load(str(tmp_path / "k.gguf"))[q4k].astype(mx.float32))
@@ -282,3 +291,35 @@ def test_gemma3_q4_k_m_equals_transformers(gemma: Any) -> None:
             want.append(out[0, len(ids):].tolist())
     assert want == TRANSFORMERS_TOKENS
     assert _engine_greedy(gemma, prompts) == want
+
+
+def test_gemma3_q4_k_m_as_stored_runs_exact_in_the_c_layers() -> None:
+    """The file's Q5_0 / Q4_K / Q6_K matrices served as its blocks (int8 activations) through the C layers:
+    float32 activations give transformers' tokens; int8 ones agree on most; greedy ngram speculation equals
+    plain decoding alone and 8 at once."""
+    from engine.cpu.qgemm import unsupported_reason
+    from engine.llm import LLM
+    from engine.models.loader import load_model
+    from engine.sampling import SamplingParams
+
+    if unsupported_reason() is not None:
+        pytest.skip(f"no C kernels here: {unsupported_reason()}")
+    stored = load_model(str(_gemma_path()), progress=False)
+    assert stored.precision == "Q4_K + Q5_0 + Q6_K + q8 (group 32)"
+    prompts = [stored.tokenizer.encode(p) for p in PROMPTS]
+    kw = dict(kv_cache_memory="64MiB", max_model_len=256, show_progress=False)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    exact = LLM(loaded=stored, activation_precision="float32", **kw)
+    assert exact.core.runner.stack is not None
+    assert [o.token_ids for o in exact.generate(prompts, greedy)] == TRANSFORMERS_TOKENS
+    plain = LLM(loaded=stored, **kw)
+    want = [o.token_ids for o in plain.generate(prompts, greedy)]
+    agree = np.mean([a == b for w, t in zip(want, TRANSFORMERS_TOKENS, strict=True)
+                     for a, b in zip(w, t, strict=True)])
+    assert agree >= 0.8, agree
+    spec = LLM(loaded=stored, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+    alone = [spec.generate([p], greedy)[0] for p in prompts]
+    batched = spec.generate(prompts * 2, greedy)
+    assert [o.token_ids for o in alone] == want and [o.token_ids for o in batched] == want * 2
+    assert sum(o.spec_num_accepted_tokens for o in [*alone, *batched]) > 0

@@ -179,6 +179,14 @@ static void attention_cases(void) {
 static Mat mat(int fmt, int n, int k) {
     const size_t nw = (size_t)n * k, ng = nw / 32;
     Mat m = {fmt, 32, SC_F16, n, k, NULL, NULL, NULL, NULL};
+    if (fmt == GG_Q5_0) {  // GGML blocks: random bits, each block's float16 scale a small one
+        uint8_t *w = bytes(ng * 22);
+        uint16_t *d = scale_halves(ng, 0);
+        for (size_t i = 0; i < ng; i++) memcpy(w + i * 22, d + i, 2);
+        free(d);
+        m.w = w;
+        return m;
+    }
     m.w = fmt == FMT_F32 ? (void *)floats(nw, 0.1f) : fmt == FMT_BF16 ? (void *)halves(nw, 1)
         : (void *)bytes(fmt == FMT_Q4 ? nw / 2 : nw);
     for (size_t i = 0; fmt == FMT_BF16 && i < nw; i++) ((uint16_t *)m.w)[i] -= 4 << 7;  // 2^-8..2^-1
@@ -191,9 +199,13 @@ static Mat mat(int fmt, int n, int k) {
 static void layer_cases(void) {
     const int L = 2, D = 64, H = 4, Hkv = 2, Dh = 32, I = 128, bs = 16, T = 5, nblocks = 8;
     const long slots = (long)nblocks * bs;
-    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32, FMT_Q4};  // the last: 8-bit activations
-    for (int f = 0; f < 5; f++) {
+    // Q4 twice (the second with 8-bit activations); GGML Q5_0 blocks; last, gemma3's layer shape (post-norms,
+    // GELU, a second RoPE on layer 1).
+    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32, FMT_Q4, GG_Q5_0, FMT_Q8};
+    for (int f = 0; f < 7; f++) {
+        const int gemma = f == 6;
         Layer layers[2];
+        memset(layers, 0, sizeof(layers));
         for (int l = 0; l < L; l++) {
             Layer *y = &layers[l];
             y->q = mat(fmts[f], H * Dh, D), y->k = mat(fmts[f], Hkv * Dh, D), y->v = mat(fmts[f], Hkv * Dh, D);
@@ -204,22 +216,27 @@ static void layer_cases(void) {
             y->q_norm = l ? floats(Dh, 1.0f) : NULL, y->k_norm = l ? floats(Dh, 1.0f) : NULL;  // qwen3's
             y->kc = floats((size_t)Hkv * slots * Dh, 1.0f), y->vc = floats((size_t)Hkv * slots * Dh, 1.0f);
             y->window = l ? 0 : 6;
+            if (gemma) y->ln_attn_out = floats(D, 1.0f), y->ln_mlp_out = floats(D, 1.0f), y->rope2 = l;
         }
         float inv_freq[16];
         for (int i = 0; i < 16; i++) inv_freq[i] = 1.0f / (float)(1 << (i % 12));
         Stack st = {L, D, H, Hkv, Dh, I, 0, 1e-5f, 0.1767767f, 1.0f, slots, inv_freq, layers, NULL};
         st.final_norm = floats(D, 1.0f);
         st.act_int8 = f == 4;
+        float inv_freq2[16];
+        for (int i = 0; i < 16; i++) inv_freq2[i] = 1.0f / (float)(3 << (i % 10));
+        if (gemma) st.inv_freq2 = inv_freq2, st.rope_scale2 = 0.5f, st.gelu = 1;
         float *h = floats((size_t)T * D, 1.0f);
         const int32_t pos[5] = {3, 4, 5, 6, 40}, slot[5] = {3, 4, 5, 6, 40}, tok_table[5] = {0, 0, 0, 0, 0};
         int32_t tables[8];
         for (int i = 0; i < nblocks; i++) tables[i] = i;
         if (layers_forward(&st, T, h, pos, slot, tok_table, tables, bs, 41, 0) != 0) invariance_failures++;
         char name[64];
-        snprintf(name, sizeof(name), "layers/fmt%d%s", fmts[f], st.act_int8 ? "/int8" : "");
+        const char *tag = st.act_int8 || fmts[f] == GG_Q5_0 ? "/int8" : gemma ? "/gemma3" : "";
+        snprintf(name, sizeof(name), "layers/fmt%d%s", fmts[f], tag);
         record(name, h, sizeof(float) * T * D);
         for (int l = 0; l < L; l++) {
-            snprintf(name, sizeof(name), "layers/fmt%d%s/kcache%d", fmts[f], st.act_int8 ? "/int8" : "", l);
+            snprintf(name, sizeof(name), "layers/fmt%d%s/kcache%d", fmts[f], tag, l);
             record(name, layers[l].kc, sizeof(float) * Hkv * slots * Dh);
         }
     }
@@ -338,6 +355,39 @@ static void head_gemv_cases(void) {
     free(full), free(part);
 }
 
+// GGML block formats (blocks.h): random bytes with finite float16 scales, every row count, and row lookups.
+static void block_cases(void) {
+    const int N = 21, K = 512, fmts[] = {GG_Q5_0, GG_Q5_1, GG_Q4_K, GG_Q5_K, GG_Q6_K};
+    float *A = floats(256 * (size_t)K, 1.0f), *full = malloc(sizeof(float) * 256 * N), *c = malloc(sizeof(float) * 256 * N);
+    for (int f = 0; f < 5; f++) {
+        const int fmt = fmts[f], size = gg_block_bytes(fmt), per = gg_block_weights(fmt), nblk = N * K / per;
+        uint8_t *w = bytes((size_t)nblk * size);
+        uint16_t *h = halves((size_t)2 * nblk, 0);
+        for (int i = 0; i < nblk; i++) {  // the float16 fields: d (and m / dmin) where the format has them
+            uint8_t *blk = w + (size_t)i * size;
+            memcpy(blk + (fmt == GG_Q6_K ? 208 : 0), h + 2 * i, 2);
+            if (fmt != GG_Q5_0 && fmt != GG_Q6_K) memcpy(blk + 2, h + 2 * i + 1, 2);
+        }
+        char name[64];
+        snprintf(name, sizeof(name), "blocks/type%d/int8", fmt);
+        if (qgemm_blocks(fmt, 256, N, K, A, K, w, full, N, 0)) {
+            fprintf(stderr, "%s refused\n", name);
+            invariance_failures++;
+        }
+        record(name, full, sizeof(float) * 256 * N);
+        for (int m = 1; m < 256; m = next_m(m)) {
+            qgemm_blocks(fmt, m, N, K, A, K, w, c, N, 1);
+            check_rows(name, full, c, m, N);
+        }
+        const int32_t ids[4] = {0, 20, 7, 7};
+        qgemm_blocks_rows(fmt, N, K, w, ids, 4, c);
+        snprintf(name, sizeof(name), "blocks/type%d/rows", fmt);
+        record(name, c, sizeof(float) * 4 * K);
+        free(w), free(h);
+    }
+    free(A), free(full), free(c);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2 || argc > 3) {
         fprintf(stderr, "usage: %s OUT [quick]\n", argv[0]);
@@ -354,6 +404,7 @@ int main(int argc, char **argv) {
     mtp_cases();
     eagle3_cases();
     head_gemv_cases();
+    block_cases();
     fclose(out);
     return invariance_failures ? 1 : 0;
 }

@@ -85,7 +85,8 @@ def test_every_build_is_batch_invariant_and_names_its_isa(dumps: dict[str, dict[
     for isa, recs in dumps.items():  # each harness exited 0: every row count gave the 256-row bits
         assert recs["isa"].decode() == isa
         assert len(recs) > 60
-        assert sum(k.endswith("/int8") for k in recs) >= 10  # the 8-bit-activation products and layers
+        assert sum(k.endswith("/int8") for k in recs) >= 15  # the 8-bit-activation products and layers
+        assert sum(k.startswith("blocks/") for k in recs) == 10  # GGML's block formats: products and rows
 
 
 def test_outputs_are_bitwise_equal_across_isas(dumps: dict[str, dict[str, bytes]]) -> None:
