@@ -18,7 +18,7 @@ from engine.kv.cache import PagedKVCache, head_major_default
 from engine.models import adapter
 from engine.models.eagle3 import LoadedEagle3
 from engine.models.loader import LoadedModel, load_model
-from engine.models.weights import set_activation_precision, uses_int8_activations
+from engine.models.weights import int8_products, set_activation_precision
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -121,7 +121,7 @@ class EngineCore:
         if self.tp is None:
             stack, why = build_stack(model, self.kv_cache, adapter.kv_layout(model).windows,
                                      attention_fn is cpu_paged_attention, self.loaded.config,
-                                     act_int8=uses_int8_activations(model))
+                                     act_int8=int8_products(model))
         else:
             why = f"tensor parallel over {self.tp.size} ranks, all-sums between the layers"
         logger.info("weights: %s; layers: %s", self.loaded.precision,

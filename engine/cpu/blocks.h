@@ -234,6 +234,88 @@ int qgemm_blocks(int fmt, int M, int N, int K, const float *A, int lda, const vo
     return 0;
 }
 
+// ---- 8-bit affine weights (MLX's layout: a byte u per weight, w = s * u + b per group) with 8-bit
+// activations, the rows in natural order: v = u - 128 dotted with q as signed bytes, one FMA a lane with
+// s * d, even and odd blocks in two accumulators; the bias terms (b + 128 s) * d * sum(q) (for GGUF's Q8_0,
+// b = -128 s: zero) as 8-lane FMAs; one fixed horizontal sum each.
+SS_INLINE void block_q8i8(const int M, const Weights *W, const GAct *X, float *C, int ldc, int j) {
+    const int K = W->K, nb = K / 32, nbp = X->nbp, gs = __builtin_ctz((unsigned)(W->group / 32));
+    float sc[MAX_BLOCKS], bb[MAX_BLOCKS], bias[8];
+    group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, sc);
+    group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, bb);
+    for (int b = nb - 1; b >= 0; b--) sc[b] = sc[b >> gs], bb[b] = bb[b >> gs];  // in place, from the end
+    for (int b = 0; b < nb; b++) bb[b] = bb[b] + 128.0f * sc[b];
+    for (int b = nb; b < nbp; b++) sc[b] = bb[b] = 0.0f;
+    for (int i = 0; i < M; i++) {
+        const float *xs = X->s + (size_t)i * nbp;
+        iacc v = iacc_zero();
+        for (int b = 0; b < nbp; b += 8) v = iacc_fma(iacc_load(bb + b), iacc_load(xs + b), v);
+        bias[i] = ihsum(v);
+    }
+#define Q_INIT(i) iacc e##i = iacc_zero(), o##i = e##i; const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K; \
+    const float *d##i = X->d + (size_t)((i) < M ? (i) : 0) * nbp;
+    I8_EACH(Q_INIT)
+#undef Q_INIT
+    const uint8_t *row = W->w + (size_t)j * K;
+#define Q_EVEN(i) if ((i) < M) e##i = ifma(idot_s8(v0, x##i + (size_t)b * 32), sc[b] * d##i[b], e##i);
+#define Q_ODD(i) if ((i) < M) o##i = ifma(idot_s8(v1, x##i + (size_t)b * 32 + 32), sc[b + 1] * d##i[b + 1], o##i);
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        if (!(b & 1)) vprefetch((const char *)row + (size_t)b * 32 + PREFETCH_BYTES);
+        const iw v0 = iw_s8(iw_load(row + (size_t)b * 32)), v1 = iw_s8(iw_load(row + (size_t)b * 32 + 32));
+        I8_EACH(Q_EVEN)
+        I8_EACH(Q_ODD)
+    }
+    if (b < nb) {
+        const iw v0 = iw_s8(iw_load(row + (size_t)b * 32));
+        I8_EACH(Q_EVEN)
+    }
+#undef Q_EVEN
+#undef Q_ODD
+#define Q_OUT(i) if ((i) < M) C[(size_t)(i) * ldc + j] = ihsum(iacc_add(e##i, o##i)) + bias[i];
+    I8_EACH(Q_OUT)
+#undef Q_OUT
+}
+
+#define DEF_Q(M) static void q8b_##M(const Weights *W, const GAct *X, float *C, int ldc, int j) { \
+        block_q8i8(M, W, X, C, ldc, j); }
+DEF_Q(1) DEF_Q(2) DEF_Q(3) DEF_Q(4) DEF_Q(5) DEF_Q(6) DEF_Q(7) DEF_Q(8)
+#undef DEF_Q
+typedef void (*block_q8_fn)(const Weights *, const GAct *, float *, int, int);
+static const block_q8_fn BLOCKS_Q8[9] = {0, q8b_1, q8b_2, q8b_3, q8b_4, q8b_5, q8b_6, q8b_7, q8b_8};
+
+// Weight rows j0..j1-1 of 8-bit weights against all M rows, in balanced chunks of at most I8_MB rows.
+static void run_q8i8(const Weights *W, int M, int j0, int j1, const GAct *X, float *C, int ldc) {
+    const int chunks = (M + I8_MB - 1) / I8_MB;
+    for (int c = 0, i0 = 0; c < chunks; c++) {
+        const int m = (M - i0) / (chunks - c);
+        const GAct Xi = {X->q + (size_t)i0 * X->K, X->d + (size_t)i0 * X->nbp, X->s + (size_t)i0 * X->nbp,
+                         X->h + (size_t)i0 * X->nhp, X->K, X->nbp, X->nhp};
+        for (int j = j0; j < j1; j++) BLOCKS_Q8[m](W, &Xi, C + (size_t)i0 * ldc, ldc, j);
+        i0 += m;
+    }
+}
+
+// qgemm_i8 for 8-bit weights (checked by the caller).
+static int q8_i8(const Weights *W, int M, int N, const float *A, int lda, float *C, int ldc, int max_threads) {
+    GIn a;
+    if (!gin_alloc(&a, M, W->K)) {
+        gin_free(&a);
+        return -1;
+    }
+    for (int i = 0; i < M; i++) gin_row(&a, A + (size_t)i * lda, i);
+    const GAct X = gin_act(&a);
+    const int nth = product_threads((size_t)W->K * N, N, max_threads);
+#pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        int j0, j1;
+        share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
+        if (j0 < j1) run_q8i8(W, M, j0, j1, &X, C, ldc);
+    }
+    gin_free(&a);
+    return 0;
+}
+
 // Rows ids[0..T-1] as float32 (out: [T, K]), each value as GGML (and the gguf package) dequantizes it:
 // s * (u - 16) for Q5_0, s * (u - 32) for Q6_K, s * u + b otherwise. Returns 0, or -1.
 int qgemm_blocks_rows(int fmt, int N, int K, const void *w, const int32_t *ids, int T, float *out) {

@@ -42,7 +42,7 @@ typedef struct {
     const float *inv_freq;          // [head_dim / 2]
     const Layer *layers;
     const float *final_norm;        // [hidden] or NULL: the model's last RMSNorm, applied to h at the end
-    int act_int8;                   // 4-bit products take 8-bit activations (qgemm_i8's arithmetic)
+    int act_int8;                   // products taking 8-bit activations (qgemm_i8's): 1 the 4-bit, 2 the 8-bit
     const float *inv_freq2;         // [head_dim / 2] or NULL: the RoPE of layers with rope2
     float rope_scale2;
     int gelu;                       // MLP: gelu_tanh(gate) * up (gemma) rather than silu(gate) * up
@@ -54,20 +54,26 @@ static int mat_weights(const Mat *m, Weights *W) {
 
 // A Mat in one of GGML's block formats (blocks.h), its type id in fmt.
 static inline int mat_blocks(const Mat *m) { return gg_block_bytes(m->fmt) != 0; }
+// A product that reads its input as natural-order int8 rows (GIn): block formats, 8-bit weights at int8.
+static inline int mat_natural(const Mat *m, int act_int8) {
+    return mat_blocks(m) || ((act_int8 & 2) && m->fmt == FMT_Q8);
+}
 
 // Whether a product reads these weights (-2 from layers_forward where not).
 static int mat_ok(const Mat *m, int act_int8) {
     Weights W;
     GWeights G;
     if (mat_blocks(m)) return !gweights_of(m->fmt, m->n, m->k, m->w, &G);
-    return !mat_weights(m, &W) && !(act_int8 && W.fmt == FMT_Q4 && !i8_serves(&W));
+    if (mat_weights(m, &W)) return 0;
+    const int int8 = ((act_int8 & 1) && W.fmt == FMT_Q4) || ((act_int8 & 2) && W.fmt == FMT_Q8);
+    return !(int8 && !i8_serves(&W));
 }
 
 // This thread's share of y[T, n] = x @ W^T (+ bias): weight rows split as qgemm splits them, so every
 // element is computed as qgemm (qgemm_i8, qgemm_blocks) alone computes it. xp, xg: x as the 4-bit and the
-// block kernels read it.
+// natural-order int8 kernels read it; a8: the stack's act_int8.
 static void matmul_share(const Mat *m, int T, const float *x, const Q4In *xp, const GIn *xg, float *y, float *buf,
-                         int nth, int tid, int *j0, int *j1) {
+                         int nth, int tid, int *j0, int *j1, int a8) {
     share(m->n, nth, tid, j0, j1);
     if (*j0 >= *j1) return;
     if (mat_blocks(m)) {
@@ -81,6 +87,9 @@ static void matmul_share(const Mat *m, int T, const float *x, const Q4In *xp, co
         if (m->fmt == FMT_Q4 && xp->q) {
             const QAct X = q4in_act(xp);
             run_i8(&W, T, *j0, *j1, &X, y, m->n);
+        } else if (m->fmt == FMT_Q8 && (a8 & 2)) {
+            const GAct X = gin_act(xg);
+            run_q8i8(&W, T, *j0, *j1, &X, y, m->n);
         } else {
             run(&W, T, *j0, *j1, m->fmt == FMT_Q4 ? xp->xp : x, m->k, y, m->n, buf);
         }
@@ -156,10 +165,11 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
         const Mat *mats[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
         for (int i = 0; i < 7; i++)
             if (!mat_ok(mats[i], m->act_int8)) return -2;
-        bq |= mat_blocks(&L->q) || mat_blocks(&L->k) || mat_blocks(&L->v) || mat_blocks(&L->gate) ||
-              mat_blocks(&L->up);
-        bo |= mat_blocks(&L->o);
-        bd |= mat_blocks(&L->down);
+        const int a8 = m->act_int8;
+        bq |= mat_natural(&L->q, a8) || mat_natural(&L->k, a8) || mat_natural(&L->v, a8) ||
+              mat_natural(&L->gate, a8) || mat_natural(&L->up, a8);
+        bo |= mat_natural(&L->o, a8);
+        bd |= mat_natural(&L->down, a8);
         pq |= L->q.fmt == FMT_Q4 || L->k.fmt == FMT_Q4 || L->v.fmt == FMT_Q4;
         po |= L->o.fmt == FMT_Q4;
         pg |= L->gate.fmt == FMT_Q4 || L->up.fmt == FMT_Q4;
@@ -180,9 +190,9 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
     if ((size_t)I > Kmax) Kmax = (size_t)I;
     // Each input some layer's product reads at 4 bits is also kept as the 4-bit kernels read it.
     Q4In xp = {0}, attp = {0}, gp = {0};
-    const int a8 = m->act_int8, px = pq || pg;
-    int ok = (!px || q4in_alloc(&xp, a8, T, D)) & (!po || q4in_alloc(&attp, a8, T, (int)qn)) &
-             (!pd || q4in_alloc(&gp, a8, T, I));
+    const int a8 = m->act_int8, a4 = a8 & 1, px = pq || pg;
+    int ok = (!px || q4in_alloc(&xp, a4, T, D)) & (!po || q4in_alloc(&attp, a4, T, (int)qn)) &
+             (!pd || q4in_alloc(&gp, a4, T, I));
     GIn xg = {0}, attg = {0}, gg = {0};  // and as the block kernels read it
     ok &= (!bq || gin_alloc(&xg, T, D)) & (!bo || gin_alloc(&attg, T, (int)qn)) & (!bd || gin_alloc(&gg, T, I));
     float *x = malloc(sizeof(float) * T * D);
@@ -219,9 +229,9 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
                     if (px) q4in_row(&xp, x + (size_t)t * D, t);
                     if (bq) gin_row(&xg, x + (size_t)t * D, t);
                 }
-                matmul_share(&L->q, T, x, &xp, &xg, q, buf, n, tid, &j0, &j1);
-                matmul_share(&L->k, T, x, &xp, &xg, k, buf, n, tid, &j0, &j1);
-                matmul_share(&L->v, T, x, &xp, &xg, v, buf, n, tid, &j0, &j1);
+                matmul_share(&L->q, T, x, &xp, &xg, q, buf, n, tid, &j0, &j1, a8);
+                matmul_share(&L->k, T, x, &xp, &xg, k, buf, n, tid, &j0, &j1, a8);
+                matmul_share(&L->v, T, x, &xp, &xg, v, buf, n, tid, &j0, &j1, a8);
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (int it = 0; it < T * (H + Hkv); it++) {
@@ -257,7 +267,7 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
                         if (bo) gin_row(&attg, att + (size_t)t * qn, t);
                     }
                 }
-                matmul_share(&L->o, T, att, &attp, &attg, o, buf, n, tid, &j0, &j1);
+                matmul_share(&L->o, T, att, &attp, &attg, o, buf, n, tid, &j0, &j1, a8);
 #pragma omp barrier
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++) {
@@ -266,8 +276,8 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
                     if (px) q4in_row(&xp, x + (size_t)t * D, t);
                     if (bq) gin_row(&xg, x + (size_t)t * D, t);
                 }
-                matmul_share(&L->gate, T, x, &xp, &xg, g, buf, n, tid, &j0, &j1);
-                matmul_share(&L->up, T, x, &xp, &xg, u, buf, n, tid, &j0, &j1);
+                matmul_share(&L->gate, T, x, &xp, &xg, g, buf, n, tid, &j0, &j1, a8);
+                matmul_share(&L->up, T, x, &xp, &xg, u, buf, n, tid, &j0, &j1, a8);
                 for (int t = 0; t < T; t++)  // this thread's columns of gate and up: no barrier before
                     act_mul_range(g + (size_t)t * I, u + (size_t)t * I, j0, j1, m->gelu);
 #pragma omp barrier
@@ -278,7 +288,7 @@ int layers_forward_aux(const Stack *m, int T, float *h, const int32_t *pos, cons
                         if (bd) gin_row(&gg, g + (size_t)t * I, t);
                     }
                 }
-                matmul_share(&L->down, T, g, &gp, &gg, o, buf, n, tid, &j0, &j1);
+                matmul_share(&L->down, T, g, &gp, &gg, o, buf, n, tid, &j0, &j1, a8);
 #pragma omp barrier
             }
 #pragma omp for schedule(static)

@@ -119,8 +119,9 @@ class CpuLayerStack:
     """The model's decoder layers as one C call; `hidden_states` replaces adapter.hidden_states."""
 
     def __init__(self, model: nn.Module, kv: PagedKVCache, windows: list[int | None],
-                 isa: str | None = None, act_int8: bool = False) -> None:
-        """`act_int8`: the 4-bit products take 8-bit activations."""
+                 isa: str | None = None, act_int8: int = 0) -> None:
+        """`act_int8`: which products take 8-bit activations (weights.int8_products: 1 the 4-bit, 2 the
+        8-bit ones)."""
         self.lib = _lib(isa or selected_isa())
         self.model = model
         self.kv = kv
@@ -255,7 +256,7 @@ class CpuLayerStack:
 
 def build_stack(model: nn.Module, kv: PagedKVCache, windows: list[int | None],
                 attention_is_cpu: bool, config: dict[str, Any],
-                act_int8: bool = False) -> tuple[CpuLayerStack | None, str]:
+                act_int8: int = 0) -> tuple[CpuLayerStack | None, str]:
     """The C layer stack for this model, or None and why not."""
     if envs.get("SPECSERVE_CPU_LAYERS") == "off":
         return None, "SPECSERVE_CPU_LAYERS=off"

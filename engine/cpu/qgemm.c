@@ -479,18 +479,21 @@ static void run_i8(const Weights *W, int M, int j0, int j1, const QAct *X, float
     }
 }
 
-// Whether the int8 path serves these weights: 4-bit, groups of 32 times a power of two.
+#include "blocks.h"  // natural-order activation rows: GGML's blocks, and 8-bit weights (run_q8i8)
+
+// Whether the int8 path serves these weights: 4- or 8-bit, groups of 32 times a power of two.
 static inline int i8_serves(const Weights *W) {
     const int gb = W->group / 32;
-    return W->fmt == FMT_Q4 && W->group % 32 == 0 && (gb & (gb - 1)) == 0;  // a power of two: shifts
+    return (W->fmt == FMT_Q4 || W->fmt == FMT_Q8) && W->group % 32 == 0 && (gb & (gb - 1)) == 0;  // shifts
 }
 
-// C = A @ W^T with A's rows quantized to int8 first (4-bit weights only). Returns 0, or -1 for arguments it
-// does not handle.
+// C = A @ W^T with A's rows quantized to int8 first (4- and 8-bit weights). Returns 0, or -1 for arguments
+// it does not handle.
 int qgemm_i8(int fmt, int M, int N, int K, int group, const float *A, int lda, const void *w, const void *scales,
              const void *biases, int sdtype, float *C, int ldc, int max_threads) {
     Weights W;
     if (M < 1 || weights_of(fmt, N, K, group, w, scales, biases, sdtype, &W) || !i8_serves(&W)) return -1;
+    if (fmt == FMT_Q8) return q8_i8(&W, M, N, A, lda, C, ldc, max_threads);
     Q4In a;
     if (!q4in_alloc(&a, 1, M, K)) {
         q4in_free(&a);
@@ -509,4 +512,3 @@ int qgemm_i8(int fmt, int M, int N, int K, int group, const float *A, int lda, c
     return 0;
 }
 
-#include "blocks.h"

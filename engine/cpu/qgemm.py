@@ -97,9 +97,11 @@ class PackedWeights:
         return self.group % step == 0 and self.k % self.group == 0 and self.k // self.group <= MAX_GROUPS
 
     def int8_serves(self) -> bool:
-        """Whether the int8-activation kernel reads these weights (4-bit, groups of 32 x a power of two)."""
+        """Whether the int8-activation kernel reads these weights (4- or 8-bit, groups of 32 x a power of
+        two)."""
         blocks = self.group // 32
-        return self.fmt == "q4" and self.supported() and blocks & (blocks - 1) == 0
+        return self.fmt in ("q4", "q8") and self.group % 32 == 0 and self.supported() and \
+            blocks & (blocks - 1) == 0
 
     def pointers(self) -> tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]:
         """Weights, scales, biases as the kernel takes them (floats: the weights thrice, unread)."""
@@ -171,7 +173,7 @@ def block_rows_host(ids: np.ndarray, bw: BlockWeights, isa: str | None = None) -
 def qgemm_host(x: np.ndarray, pw: PackedWeights | BlockWeights, max_threads: int = 0, isa: str | None = None,
                int8: bool = False) -> np.ndarray:
     """x: [M, K] float32 (row-contiguous) -> [M, N] float32. `int8`: rows of x quantized to 8 bits per 32
-    values (4-bit weights only; block formats always)."""
+    values (4- and 8-bit weights; block formats always)."""
     if isinstance(pw, BlockWeights):
         return blocks_host(x, pw, max_threads, isa)
     m = x.shape[0]

@@ -440,6 +440,17 @@ SS_INLINE iw iw_add_bits32(iw a, uint32_t h) {
     return iw_or_hi(a, iw_bits32(h));
 #endif
 }
+// Signed weights (8-bit: v = u - 128): |v| times x carrying v's sign, as the unsigned-by-signed products
+// above (128 * 127 * 2 fits vpmaddubsw's pair sums); exact.
+SS_INLINE iw iw_s8(iw u) { return _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); }
+SS_INLINE __m256i idot_s8(iw v, const int8_t *x) {
+    const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), v), w = _mm256_abs_epi8(v);
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+#endif
+}
 SS_INLINE iacc iacc_zero(void) { return _mm256_setzero_ps(); }
 SS_INLINE iacc iacc_load(const float *p) { return _mm256_loadu_ps(p); }
 SS_INLINE void iacc_store(float *p, iacc a) { _mm256_storeu_ps(p, a); }
@@ -500,6 +511,19 @@ SS_INLINE iw iw_bits32(uint32_t h) {
     return w;
 }
 SS_INLINE iw iw_add_bits32(iw a, uint32_t h) { return iw_or_hi(a, iw_bits32(h)); }
+SS_INLINE iw iw_s8(iw u) {
+    for (int i = 0; i < 32; i++) u.b[i] ^= 0x80;
+    return u;
+}
+SS_INLINE idots idot_s8(iw v, const int8_t *x) {
+    idots d;
+    for (int l = 0; l < 8; l++) {
+        int32_t t = 0;
+        for (int i = 4 * l; i < 4 * l + 4; i++) t += (int32_t)(int8_t)v.b[i] * x[i];
+        d.v[l] = t;
+    }
+    return d;
+}
 SS_INLINE iacc iacc_zero(void) { return (iacc){{0}}; }
 SS_INLINE iacc iacc_load(const float *p) {
     iacc a;

@@ -345,19 +345,21 @@ def swap_cpu_modules(model: nn.Module, compute_dtype: mx.Dtype = mx.float32) -> 
 
 
 def set_activation_precision(model: nn.Module, choice: str) -> bool:
-    """Point every 4-bit C-kernel product at 8-bit activations (`int8`; `auto` where the ISA favours it), or
-    keep float32 (`float32`). GGML block weights take int8 at `auto` and `int8` on every ISA (their only
-    kernel), and are multiplied as float32 copies at `float32`. -> whether any product takes int8; `int8`
-    without 4-bit or block weights raises."""
+    """Point the C-kernel products at 8-bit activations or keep float32: `int8` every 4-bit, 8-bit and GGML
+    block product; `auto` the block products, and the 4-bit ones where the ISA favours it (8-bit weights
+    keep float: their int8 kernel won nowhere measured, docs/cpu-backend.md); `float32` none (block weights
+    then multiplied as float32 copies). -> whether any product takes int8; `int8` without 4-bit, 8-bit or
+    block weights raises."""
     mods = [m for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
     for m in mods:
         m.serve_blocks(choice != "float32")
     packed = [m._packed for m in mods]
-    wanted = choice == "int8" or (choice == "auto" and int8_by_default())
-    int8 = [p for p in packed if isinstance(p, BlockWeights) or (wanted and p.int8_serves())]
+    wanted = {"q4"} if choice == "auto" and int8_by_default() else {"q4", "q8"} if choice == "int8" else set()
+    int8 = [p for p in packed if isinstance(p, BlockWeights) or (p.fmt in wanted and p.int8_serves())]
     if choice == "int8" and not int8:
-        raise ValueError("--activation-precision int8 needs 4-bit weights or GGML block weights (Q5_0, Q4_K, "
-                         "...) multiplied by the C kernels (this model has none: use auto or float32)")
+        raise ValueError("--activation-precision int8 needs 4-bit weights, 8-bit or GGML block weights "
+                         "(Q5_0, Q4_K, ...) multiplied by the C kernels (this model has none: use auto or "
+                         "float32)")
     chosen = {id(p) for p in int8}
     for p in packed:
         if isinstance(p, PackedWeights):
@@ -365,8 +367,10 @@ def set_activation_precision(model: nn.Module, choice: str) -> bool:
     return bool(chosen)
 
 
-def uses_int8_activations(model: nn.Module) -> bool:
-    """Whether set_activation_precision pointed some 4-bit product in MLX's affine layout at 8-bit
-    activations: the C layer stack's act_int8 (GGML block products always take them)."""
-    return any(isinstance(m._packed, PackedWeights) and m._packed.int8 for m in model.modules()
-               if isinstance(m, (CpuLinear, CpuEmbedding)))
+def int8_products(model: nn.Module) -> int:
+    """Which products in MLX's affine layout set_activation_precision pointed at 8-bit activations, as the C
+    layer stack's act_int8 takes them: 1 for the 4-bit ones, 2 for the 8-bit ones (GGML block products
+    always take them)."""
+    packed = [m._packed for m in model.modules() if isinstance(m, (CpuLinear, CpuEmbedding))]
+    fmts = {p.fmt for p in packed if isinstance(p, PackedWeights) and p.int8}
+    return int("q4" in fmts) | int("q8" in fmts) << 1

@@ -19,7 +19,7 @@ from engine.kv.block_manager import KVCacheManager
 from engine.kv.cache import PagedKVCache
 from engine.models import adapter
 from engine.models.loader import LoadedModel
-from engine.models.weights import uses_int8_activations
+from engine.models.weights import int8_products
 from engine.runner import ModelRunner
 from engine.spec.draft_sampling import DraftDraws, samples
 from engine.spec.proposer import DraftRequest
@@ -72,7 +72,7 @@ class DraftModelProposer:
             attention_fn = paged_attention_reference
         # The draft's decoder layers in C where they apply.
         stack, _ = build_stack(model, self.kv_cache, layout.windows, attention_fn is cpu_paged_attention,
-                               draft.config, act_int8=uses_int8_activations(model))
+                               draft.config, act_int8=int8_products(model))
         self.runner = ModelRunner(model, self.kv_cache, attention_fn, stack=stack)
         self._state: dict[str, _State] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # requests holding draft KV, oldest first

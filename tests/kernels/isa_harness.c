@@ -142,7 +142,7 @@ static void qgemm_cases(void) {
                 char name[64], i8[80];
                 snprintf(name, sizeof(name), "qgemm/fmt%d/g%d/s%d", fmt, quant ? group : 0, sd);
                 sweep_product(qgemm, name, fmt, N, K, group, A, w, s, b, sd, full, c);
-                if (fmt == FMT_Q4) {  // 8-bit activations: integer sums, the float parts in one order
+                if (fmt == FMT_Q4 || fmt == FMT_Q8) {  // 8-bit activations: integer sums, float parts in one order
                     snprintf(i8, sizeof(i8), "%s/int8", name);
                     sweep_product(qgemm_i8, i8, fmt, N, K, group, A, w, s, b, sd, full, c);
                 }
@@ -201,8 +201,9 @@ static void layer_cases(void) {
     const long slots = (long)nblocks * bs;
     // Q4 twice (the second with 8-bit activations); GGML Q5_0 blocks; last, gemma3's layer shape (post-norms,
     // GELU, a second RoPE on layer 1).
-    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32, FMT_Q4, GG_Q5_0, FMT_Q8};
-    for (int f = 0; f < 7; f++) {
+    // and 8-bit weights with 8-bit activations.
+    const int fmts[] = {FMT_Q4, FMT_Q8, FMT_BF16, FMT_F32, FMT_Q4, GG_Q5_0, FMT_Q8, FMT_Q8};
+    for (int f = 0; f < 8; f++) {
         const int gemma = f == 6;
         Layer layers[2];
         memset(layers, 0, sizeof(layers));
@@ -222,7 +223,7 @@ static void layer_cases(void) {
         for (int i = 0; i < 16; i++) inv_freq[i] = 1.0f / (float)(1 << (i % 12));
         Stack st = {L, D, H, Hkv, Dh, I, 0, 1e-5f, 0.1767767f, 1.0f, slots, inv_freq, layers, NULL};
         st.final_norm = floats(D, 1.0f);
-        st.act_int8 = f == 4;
+        st.act_int8 = f == 4 ? 1 : f == 7 ? 2 : 0;
         float inv_freq2[16];
         for (int i = 0; i < 16; i++) inv_freq2[i] = 1.0f / (float)(3 << (i % 10));
         if (gemma) st.inv_freq2 = inv_freq2, st.rope_scale2 = 0.5f, st.gelu = 1;

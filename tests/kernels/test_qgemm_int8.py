@@ -109,17 +109,62 @@ def test_a_batch_quantized_with_one_shared_scale_is_caught(isa: str) -> None:
     assert not np.array_equal(reference(a, *args, shared=True)[:1], alone)
 
 
+def reference_q8(a: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                 group: int) -> np.ndarray:
+    """8-bit weights: v = u - 128 dotted with the natural-order q per block in 8 lanes, one FMA a lane with
+    s * d; the bias terms (b + 128 s) * d * sum(q) in block order."""
+    q, d, s = quantize_rows(a)
+    m, nb = d.shape
+    n = words.shape[0]
+    v = (words.view(np.uint8).reshape(n, nb, 32).astype(np.int64) - 128)
+    sc = np.repeat(scales, group // 32, axis=1).astype(F32)
+    bb = (np.repeat(biases, group // 32, axis=1).astype(F32) + (F32(128) * sc).astype(F32)).astype(F32)
+    dots = np.einsum("mblt,nblt->mnbl", q.reshape(m, nb, 8, 4), v.reshape(n, nb, 8, 4)).astype(F32)
+    acc = np.zeros((2, m, n, 8), F32)
+    for b in range(nb):
+        scale = np.broadcast_to((sc[None, :, b] * d[:, b, None]).astype(F32)[:, :, None], (m, n, 8))
+        acc[b % 2] = fma32(dots[:, :, b], scale, acc[b % 2])
+    nbp = (nb + 7) // 8 * 8
+    bb_p, s_p = np.zeros((n, nbp), F32), np.zeros((m, nbp), F32)
+    bb_p[:, :nb], s_p[:, :nb] = bb, s
+    lanes = np.zeros((m, n, 8), F32)
+    for c in range(0, nbp, 8):
+        lanes = fma32(np.broadcast_to(bb_p[None, :, c:c + 8], lanes.shape),
+                      np.broadcast_to(s_p[:, None, c:c + 8], lanes.shape), lanes)
+    return hsum8((acc[0] + acc[1]).astype(F32)) + hsum8(lanes)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
+def test_8bit_weights_bitwise_equal_to_the_integer_model_every_row_count(group: int, scale_dtype: mx.Dtype,
+                                                                         isa: str) -> None:
+    n, k = 21, 288 if group == 32 else 256  # an odd block count at group 32: the unpaired last block
+    rng = np.random.default_rng(8 + group)
+    wq, sc, bi = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)).astype(scale_dtype),
+                             group_size=group, bits=8)
+    pw = PackedWeights.affine(wq, sc, bi, group, 8)
+    assert pw.int8_serves()
+    a = rng.standard_normal((256, k)).astype(np.float32) * rng.uniform(0.01, 10, (256, 1)).astype(np.float32)
+    a[5, 32:64] = 0.0
+    want = reference_q8(a, np.array(wq), _host(sc).astype(F32), _host(bi).astype(F32), group)
+    for m in range(1, 257):
+        got = qgemm_host(a[:m], pw, max_threads=1 + m % 2, isa=isa, int8=True)
+        np.testing.assert_array_equal(got, want[:m], err_msg=f"{m} rows")
+    exact = qgemm_host(a, pw, isa=isa)
+    assert np.abs(want - exact).max() <= 0.02 * np.abs(exact).max()
+
+
 def test_refuses_what_it_does_not_serve() -> None:
     rng = np.random.default_rng(0)
-    wq, sc, bi = mx.quantize(mx.array(rng.standard_normal((8, 64)).astype(np.float32)), group_size=32, bits=8)
-    pw = PackedWeights.affine(wq, sc, bi, 32, 8)
-    assert not pw.int8_serves()
+    # Groups of 96: the float kernels read them, the int8 ones take 32 times a power of two only.
+    for bits in (4, 8):
+        w = mx.array(rng.integers(0, 2**32, (8, 192 * bits // 32), dtype=np.uint32))
+        scales, biases = mx.ones((8, 2)), mx.zeros((8, 2))
+        odd = PackedWeights.affine(w, scales, biases, 96, bits)
+        assert odd.supported() and not odd.int8_serves()
+        with pytest.raises(ValueError, match="refused"):
+            qgemm_host(np.ones((1, 192), np.float32), odd, int8=True)
+    bf = PackedWeights.floats(mx.ones((8, 64), dtype=mx.bfloat16))
+    assert not bf.int8_serves()
     with pytest.raises(ValueError, match="refused"):
-        qgemm_host(np.ones((1, 64), np.float32), pw, int8=True)
-    # 4-bit groups of 96: the float kernel reads them, the int8 one takes 32 times a power of two only.
-    w = mx.array(rng.integers(0, 2**32, (8, 24), dtype=np.uint32))
-    scales, biases = mx.ones((8, 2)), mx.zeros((8, 2))
-    odd = PackedWeights.affine(w, scales, biases, 96, 4)
-    assert odd.supported() and not odd.int8_serves()
-    with pytest.raises(ValueError, match="refused"):
-        qgemm_host(np.ones((1, 192), np.float32), odd, int8=True)
+        qgemm_host(np.ones((1, 64), np.float32), bf, int8=True)

@@ -38,7 +38,8 @@ def stored() -> LoadedModel:
 
 def test_int8_is_what_runs() -> None:
     llm = LLM(loaded=stored(), **KW)
-    assert llm.core.runner.stack is not None and llm.core.runner.stack.stack.act_int8 == 1
+    # 1 | 2: the 4-bit layers, and 8-bit products (the head) too at an explicit int8
+    assert llm.core.runner.stack is not None and llm.core.runner.stack.stack.act_int8 == 3
     exact = LLM(loaded=stored(), **{**KW, "activation_precision": "float32"})
     assert exact.core.runner.stack.stack.act_int8 == 0
     auto = LLM(loaded=stored(), **{**KW, "activation_precision": "auto"})  # int8 where it is the faster
