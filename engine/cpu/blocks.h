@@ -104,12 +104,7 @@ SS_INLINE void gblock(const int FMT, const int M, const GWeights *W, const GAct 
     float ws[2 * MAX_BLOCKS], wb[2 * MAX_BLOCKS], bias[8];  // 8: the most rows a block takes
     const uint8_t *row = W->w + (size_t)j * W->rb;
     gg_params(FMT, row, K, ws, wb, np);
-    for (int i = 0; i < M; i++) {
-        const float *xs = halves ? X->h + (size_t)i * np : X->s + (size_t)i * np;
-        iacc v = iacc_zero();
-        for (int p = 0; p < np; p += 8) v = iacc_fma(iacc_load(wb + p), iacc_load(xs + p), v);
-        bias[i] = ihsum(v);
-    }
+    bias_terms(wb, halves ? X->h : X->s, (size_t)np, np, M, bias);
     // Row i's block scale d_i[b] times the weights' (s * d, one rounding), then one FMA a lane; blocks in
     // pairs, the even ones into lanes 0-7 of the accumulator, the odd ones into lanes 8-15.
 #define G_INIT(i) iacc2 a##i = iacc2_zero(); const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K; \
@@ -158,14 +153,20 @@ static inline int gg_index(int fmt) {
     return fmt == GG_Q5_0 ? 0 : fmt == GG_Q5_1 ? 1 : fmt == GG_Q4_K ? 2 : fmt == GG_Q5_K ? 3 : 4;
 }
 
+// X's rows from i0 on.
+static inline GAct gact_from(const GAct *X, int i0) {
+    const GAct Xi = {X->q + (size_t)i0 * X->K, X->d + (size_t)i0 * X->nbp, X->s + (size_t)i0 * X->nbp,
+                     X->h + (size_t)i0 * X->nhp, X->K, X->nbp, X->nhp};
+    return Xi;
+}
+
 // Weight rows j0..j1-1 against all M rows, in balanced chunks of at most I8_MB rows.
 static void run_blocks(const GWeights *W, int M, int j0, int j1, const GAct *X, float *C, int ldc) {
     const gblock_fn *fns = GBLOCKS[gg_index(W->fmt)];
     const int chunks = (M + I8_MB - 1) / I8_MB;
     for (int c = 0, i0 = 0; c < chunks; c++) {
         const int m = (M - i0) / (chunks - c);
-        const GAct Xi = {X->q + (size_t)i0 * X->K, X->d + (size_t)i0 * X->nbp, X->s + (size_t)i0 * X->nbp,
-                         X->h + (size_t)i0 * X->nhp, X->K, X->nbp, X->nhp};
+        const GAct Xi = gact_from(X, i0);
         for (int j = j0; j < j1; j++) fns[m](W, &Xi, C + (size_t)i0 * ldc, ldc, j);
         i0 += m;
     }
@@ -239,19 +240,11 @@ int qgemm_blocks(int fmt, int M, int N, int K, const float *A, int lda, const vo
 // s * d, even and odd blocks in two accumulators; the bias terms (b + 128 s) * d * sum(q) (for GGUF's Q8_0,
 // b = -128 s: zero) as 8-lane FMAs; one fixed horizontal sum each.
 SS_INLINE void block_q8i8(const int M, const Weights *W, const GAct *X, float *C, int ldc, int j) {
-    const int K = W->K, nb = K / 32, nbp = X->nbp, gs = __builtin_ctz((unsigned)(W->group / 32));
+    const int K = W->K, nb = K / 32, nbp = X->nbp;
     float sc[MAX_BLOCKS], bb[MAX_BLOCKS], bias[8];
-    group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, sc);
-    group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, bb);
-    for (int b = nb - 1; b >= 0; b--) sc[b] = sc[b >> gs], bb[b] = bb[b >> gs];  // in place, from the end
+    block_params(W, j, nbp, sc, bb);
     for (int b = 0; b < nb; b++) bb[b] = bb[b] + 128.0f * sc[b];
-    for (int b = nb; b < nbp; b++) sc[b] = bb[b] = 0.0f;
-    for (int i = 0; i < M; i++) {
-        const float *xs = X->s + (size_t)i * nbp;
-        iacc v = iacc_zero();
-        for (int b = 0; b < nbp; b += 8) v = iacc_fma(iacc_load(bb + b), iacc_load(xs + b), v);
-        bias[i] = ihsum(v);
-    }
+    bias_terms(bb, X->s, (size_t)nbp, nbp, M, bias);
 #define Q_INIT(i) iacc e##i = iacc_zero(), o##i = e##i; const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K; \
     const float *d##i = X->d + (size_t)((i) < M ? (i) : 0) * nbp;
     I8_EACH(Q_INIT)
@@ -289,8 +282,7 @@ static void run_q8i8(const Weights *W, int M, int j0, int j1, const GAct *X, flo
     const int chunks = (M + I8_MB - 1) / I8_MB;
     for (int c = 0, i0 = 0; c < chunks; c++) {
         const int m = (M - i0) / (chunks - c);
-        const GAct Xi = {X->q + (size_t)i0 * X->K, X->d + (size_t)i0 * X->nbp, X->s + (size_t)i0 * X->nbp,
-                         X->h + (size_t)i0 * X->nhp, X->K, X->nbp, X->nhp};
+        const GAct Xi = gact_from(X, i0);
         for (int j = j0; j < j1; j++) BLOCKS_Q8[m](W, &Xi, C + (size_t)i0 * ldc, ldc, j);
         i0 += m;
     }

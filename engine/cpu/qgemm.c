@@ -417,22 +417,33 @@ enum { I8_MB = 4 };
 #define I8_EACH(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 
 // Weight row j against activation rows 0..M-1 of X (M <= I8_MB).
-SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, int ldc, int j) {
-    const int K = W->K, nb = K / 32, nbp = X->nbp, gs = __builtin_ctz((unsigned)(W->group / 32));
-    // Per block: the weight scale and bias (group 32: as stored; wider groups repeated), zero-padded.
-    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], bias[8];  // 8: the most rows a block takes
+// Weight row j's scale and bias per 32-weight block (group 32: as stored; wider groups repeated), zero
+// past the row's blocks up to nbp.
+static inline void block_params(const Weights *W, int j, int nbp, float *sc, float *bi) {
+    const int nb = W->K / 32, gs = __builtin_ctz((unsigned)(W->group / 32));
     group_params(W->scales, (size_t)j * W->gpr, W->gpr, W->sdtype, sc);
     group_params(W->biases, (size_t)j * W->gpr, W->gpr, W->sdtype, bi);
     if (gs > 0)
         for (int b = nb - 1; b >= 0; b--) sc[b] = sc[b >> gs], bi[b] = bi[b >> gs];  // in place, from the end
     for (int b = nb; b < nbp; b++) sc[b] = bi[b] = 0.0f;
-    // The bias terms first (8-lane FMAs over the blocks, one horizontal sum).
+}
+
+// The bias terms of M activation rows (row i's sums at xs + i * stride): 8-lane FMAs over the np
+// parameters in order, one horizontal sum each.
+static inline void bias_terms(const float *wb, const float *xs, size_t stride, int np, int M, float *bias) {
     for (int i = 0; i < M; i++) {
-        const float *xs = X->s + (size_t)i * nbp;
         iacc v = iacc_zero();
-        for (int b = 0; b < nbp; b += 8) v = iacc_fma(iacc_load(bi + b), iacc_load(xs + b), v);
+        const float *x = xs + (size_t)i * stride;
+        for (int p = 0; p < np; p += 8) v = iacc_fma(iacc_load(wb + p), iacc_load(x + p), v);
         bias[i] = ihsum(v);
     }
+}
+
+SS_INLINE void block_i8(const int M, const Weights *W, const QAct *X, float *C, int ldc, int j) {
+    const int K = W->K, nb = K / 32, nbp = X->nbp;
+    float sc[MAX_BLOCKS], bi[MAX_BLOCKS], bias[8];  // 8: the most rows a block takes
+    block_params(W, j, nbp, sc, bi);
+    bias_terms(bi, X->s, (size_t)nbp, nbp, M, bias);
     // Blocks in pairs: each lane's FMA with s * d (one rounding), even blocks in lanes 0-7, odd in 8-15.
 #define I8_INIT(i) iacc2 a##i = iacc2_zero(); const int8_t *x##i = X->q + (size_t)((i) < M ? (i) : 0) * K; \
     const float *d##i = X->d + (size_t)((i) < M ? (i) : 0) * nbp;
