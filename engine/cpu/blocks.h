@@ -211,28 +211,40 @@ static inline GAct gin_act(const GIn *a) {
     return X;
 }
 
-// C = A @ W^T, W in GGML block format `fmt` (GGML's type id), A's rows quantized to int8 first. Returns 0,
-// or -1 for arguments it does not handle.
-int qgemm_blocks(int fmt, int M, int N, int K, const float *A, int lda, const void *w, float *C, int ldc,
-                 int max_threads) {
-    GWeights W;
+// A product over natural-order int8 rows: A's M rows quantized, then `run` over each thread's share of
+// the N weight rows (`bytes` of them). Returns 0, or -1 where memory ran out.
+typedef void (*grun_fn)(const void *W, int M, int j0, int j1, const GAct *X, float *C, int ldc);
+static int gin_product(grun_fn run, const void *W, size_t bytes, int M, int N, int K, const float *A, int lda,
+                       float *C, int ldc, int max_threads) {
     GIn a;
-    if (M < 1 || gweights_of(fmt, N, K, w, &W)) return -1;
     if (!gin_alloc(&a, M, K)) {
         gin_free(&a);
         return -1;
     }
     for (int i = 0; i < M; i++) gin_row(&a, A + (size_t)i * lda, i);
     const GAct X = gin_act(&a);
-    const int nth = product_threads(W.rb * (size_t)N, N, max_threads);
+    const int nth = product_threads(bytes, N, max_threads);
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         int j0, j1;
         share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
-        if (j0 < j1) run_blocks(&W, M, j0, j1, &X, C, ldc);
+        if (j0 < j1) run(W, M, j0, j1, &X, C, ldc);
     }
     gin_free(&a);
     return 0;
+}
+
+static void run_blocks_any(const void *W, int M, int j0, int j1, const GAct *X, float *C, int ldc) {
+    run_blocks(W, M, j0, j1, X, C, ldc);
+}
+
+// C = A @ W^T, W in GGML block format `fmt` (GGML's type id), A's rows quantized to int8 first. Returns 0,
+// or -1 for arguments it does not handle.
+int qgemm_blocks(int fmt, int M, int N, int K, const float *A, int lda, const void *w, float *C, int ldc,
+                 int max_threads) {
+    GWeights W;
+    if (M < 1 || gweights_of(fmt, N, K, w, &W)) return -1;
+    return gin_product(run_blocks_any, &W, W.rb * (size_t)N, M, N, K, A, lda, C, ldc, max_threads);
 }
 
 // ---- 8-bit affine weights (MLX's layout: a byte u per weight, w = s * u + b per group) with 8-bit
@@ -288,24 +300,13 @@ static void run_q8i8(const Weights *W, int M, int j0, int j1, const GAct *X, flo
     }
 }
 
+static void run_q8i8_any(const void *W, int M, int j0, int j1, const GAct *X, float *C, int ldc) {
+    run_q8i8(W, M, j0, j1, X, C, ldc);
+}
+
 // qgemm_i8 for 8-bit weights (checked by the caller).
 static int q8_i8(const Weights *W, int M, int N, const float *A, int lda, float *C, int ldc, int max_threads) {
-    GIn a;
-    if (!gin_alloc(&a, M, W->K)) {
-        gin_free(&a);
-        return -1;
-    }
-    for (int i = 0; i < M; i++) gin_row(&a, A + (size_t)i * lda, i);
-    const GAct X = gin_act(&a);
-    const int nth = product_threads((size_t)W->K * N, N, max_threads);
-#pragma omp parallel num_threads(nth) if (nth > 1)
-    {
-        int j0, j1;
-        share(N, omp_get_num_threads(), omp_get_thread_num(), &j0, &j1);
-        if (j0 < j1) run_q8i8(W, M, j0, j1, &X, C, ldc);
-    }
-    gin_free(&a);
-    return 0;
+    return gin_product(run_q8i8_any, W, (size_t)W->K * N, M, N, W->K, A, lda, C, ldc, max_threads);
 }
 
 // Rows ids[0..T-1] as float32 (out: [T, K]), each value as GGML (and the gguf package) dequantizes it:

@@ -76,25 +76,23 @@ def _f32(a: mx.array, keep: list[Any]) -> int:
 
 
 def _mat(m: nn.Module, keep: list[Any]) -> _Mat:
-    if isinstance(m, CpuLinear) and isinstance(m._packed, BlockWeights):
-        bw = m._packed
-        keep.append(bw)
-        bias = _f32(m["bias"], keep) if "bias" in m else None
-        return _Mat(BLOCK_FORMATS[bw.qtype][0], 0, 0, bw.n, bw.k, bw.view.ctypes.data, None, None, bias)
+    packed: PackedWeights | BlockWeights
     if isinstance(m, CpuLinear):
-        pw: PackedWeights = m._packed
+        packed = m._packed
     elif type(m) is nn.Linear and m.weight.dtype == mx.float32:
-        pw = PackedWeights.floats(m.weight)
+        packed = PackedWeights.floats(m.weight)
     else:
         raise _Unsupported(f"a {type(m).__name__} layer ({getattr(m, 'weight', mx.zeros(0)).dtype})")
-    if not pw.supported():
-        raise _Unsupported(f"a [{pw.n}, {pw.k}] {pw.fmt} weight the kernel cannot read")
-    keep.append(pw)
-    views = pw.views
+    if not packed.supported():
+        raise _Unsupported(f"a [{packed.n}, {packed.k}] {packed.fmt} weight the kernel cannot read")
+    keep.append(packed)
     bias = _f32(m["bias"], keep) if "bias" in m else None
-    return _Mat(FORMATS[pw.fmt], pw.group, pw.scale_dtype, pw.n, pw.k, views[0].ctypes.data,
-                views[1].ctypes.data if len(views) > 1 else None,
-                views[2].ctypes.data if len(views) > 2 else None, bias)
+    if isinstance(packed, BlockWeights):
+        return _Mat(BLOCK_FORMATS[packed.qtype][0], 0, 0, packed.n, packed.k, packed.view.ctypes.data, None,
+                    None, bias)
+    v = packed.views
+    return _Mat(FORMATS[packed.fmt], packed.group, packed.scale_dtype, packed.n, packed.k, v[0].ctypes.data,
+                v[1].ctypes.data if len(v) > 1 else None, v[2].ctypes.data if len(v) > 2 else None, bias)
 
 
 def _is_gemma3(m: nn.Module) -> bool:

@@ -15,6 +15,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu.qgemm import BLOCK_FORMATS
+
 # GGML's Q4_0, Q4_1 and Q8_0 use 32-value blocks.
 GGML_GROUP_SIZE = 32
 
@@ -27,8 +29,8 @@ _QT = gguf.GGMLQuantizationType
 _AFFINE_BITS = {_QT.Q4_0: 4, _QT.Q4_1: 4, _QT.Q8_0: 8}
 # Read as stored; every other type is dequantized to float32.
 _STORED = {_QT.F32, _QT.F16, _QT.BF16}
-# GGML block types kept as the file stores them (engine/cpu/blocks.h serves them; weights.BlockLinear).
-BLOCK_TYPES = {_QT.Q5_0, _QT.Q5_1, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K}
+# GGML block types kept as the file stores them: those engine/cpu/blocks.h serves (weights.BlockLinear).
+BLOCK_TYPES = {gguf.GGMLQuantizationType[name] for name in BLOCK_FORMATS}
 
 
 def py_value(value: Any) -> Any:

@@ -199,26 +199,29 @@ def apply_plan(model: nn.Module, plan: WeightPlan, compute_dtype: mx.Dtype,
     mx.eval(model.parameters())
 
 
-class _Serving:
-    """A C-kernel module's weights as stored and, for GGML blocks, the float32 copy the float32 activation
-    precision multiplies (made once, when first asked for)."""
+class _KernelModule(nn.Module):
+    """What CpuLinear and CpuEmbedding share: the weights the C kernels multiply (`_packed`) and, for GGML
+    blocks, the float32 copy the float32 activation precision multiplies instead (made once, when first
+    asked for)."""
 
-    def __init__(self, stored: PackedWeights | BlockWeights) -> None:
-        self.stored = stored
-        self.floats: PackedWeights | None = None
+    def _hold(self, packed: PackedWeights | BlockWeights) -> None:
+        self._packed, self._stored = packed, packed
+        self._floats: PackedWeights | None = None
+        self.precision = _packed_name(packed)
 
-    def pick(self, blocks: bool) -> PackedWeights | BlockWeights:
-        if blocks or not isinstance(self.stored, BlockWeights):
-            return self.stored
-        return self.float_copy(self.stored)
+    def _float_copy(self, b: BlockWeights) -> PackedWeights:
+        if self._floats is None:
+            self._floats = PackedWeights.floats(mx.array(rows_host(np.arange(b.n), b)))
+        return self._floats
 
-    def float_copy(self, b: BlockWeights) -> PackedWeights:
-        if self.floats is None:
-            self.floats = PackedWeights.floats(mx.array(rows_host(np.arange(b.n), b)))
-        return self.floats
+    def serve_blocks(self, on: bool) -> None:
+        """GGML block weights: multiply them as stored (int8 activations) or as their float32 copy."""
+        if isinstance(self._stored, BlockWeights):
+            self._packed = self._stored if on else self._float_copy(self._stored)
+            self.precision = _packed_name(self._packed)
 
 
-class CpuLinear(nn.Module):
+class CpuLinear(_KernelModule):
     """A linear layer whose weight stays as stored, multiplied by engine/cpu/qgemm.c on the calling thread."""
 
     def __init__(self, packed: Any, bias: mx.array | None, params: dict[str, mx.array],
@@ -229,16 +232,8 @@ class CpuLinear(nn.Module):
             setattr(self, k, v)
         if bias is not None:
             self.bias = bias
-        self._packed = packed
-        self._serving = _Serving(packed)
+        self._hold(packed)
         self._group = group
-        self.precision = _packed_name(packed)
-
-    def serve_blocks(self, on: bool) -> None:
-        """GGML block weights: multiply them as stored (int8 activations) or as their float32 copy."""
-        if isinstance(self._serving.stored, BlockWeights):
-            self._packed = self._serving.pick(on)
-            self.precision = _packed_name(self._packed)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = qgemm(x, self._packed)
@@ -247,7 +242,7 @@ class CpuLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
 
-class CpuEmbedding(nn.Module):
+class CpuEmbedding(_KernelModule):
     """An embedding table in its stored precision, also the tied output layer through engine/cpu/qgemm.c."""
 
     def __init__(self, packed: Any, params: dict[str, mx.array], compute_dtype: mx.Dtype,
@@ -255,18 +250,10 @@ class CpuEmbedding(nn.Module):
         super().__init__()
         for k, v in params.items():
             setattr(self, k, v)
-        self._packed = packed
-        self._serving = _Serving(packed)
+        self._hold(packed)
         self._dtype = compute_dtype
         self._f32 = SimpleNamespace(table=None)  # not a parameter: float32_table()'s copy
         self.group_size, self.bits = group_size, bits
-        self.precision = _packed_name(packed)
-
-    def serve_blocks(self, on: bool) -> None:
-        """GGML block weights: multiply them as stored (int8 activations) or as their float32 copy."""
-        if isinstance(self._serving.stored, BlockWeights):
-            self._packed = self._serving.pick(on)
-            self.precision = _packed_name(self._packed)
 
     def __call__(self, ids: mx.array) -> mx.array:
         rows = self.rows(np.asarray(ids))
@@ -282,12 +269,12 @@ class CpuEmbedding(nn.Module):
     def float32_table(self) -> mx.array:
         """The whole table in float32 for raw-row readers (the MTP assistant's C pass): the stored array, or a
         dequantized copy made once."""
-        stored = self._serving.stored
+        stored = self._stored
         if self._packed.fmt == "f32" and not isinstance(stored, BlockWeights):
             return self["weight"]
         if self._f32.table is None:
             if isinstance(stored, BlockWeights):
-                table = self._serving.float_copy(stored).arrays[0]
+                table = self._float_copy(stored).arrays[0]
             elif self.bits:
                 table = mx.dequantize(self["weight"], self["scales"], self["biases"],
                                       group_size=self.group_size, bits=self.bits)
